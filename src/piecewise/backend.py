@@ -1,0 +1,255 @@
+"""The Dynamo backend: one `PiecewiseBackend` per compiled graph (SPEC §4.2).
+
+Called by Dynamo with the FX graph and fake example inputs, it splits the graph at splitting ops,
+compiles every non-splitting piece for each entry of the `EntryTable` (deduplicating identical
+pieces), and returns a `StitchedForward`. A second call on the same instance is a recompile: it is
+counted and raised, never silently accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
+
+from .compilers import CompiledPiece, CompilerAdaptor, get_adaptor
+from .compilers.base import CompileTarget
+from .compilers.inductor import dispatch_symbol
+from .config import CompilationConfig
+from .counters import counters
+from .errors import CompileError, InputError, RecompileError
+from .forward_context import ForwardContext, _current
+from .ops import op_exists, resolve_splitting_ops
+from .piece import DispatchState, EntryKind, EntryTable, PieceRunner, piece_fingerprint
+from .split import SplitResult, fx_forward, split_graph
+
+__all__ = ["PiecewiseBackend", "StitchedForward", "dynamo_backend"]
+
+log = logging.getLogger("piecewise")
+
+
+class StitchedForward:
+    """The runtime callable Dynamo calls with the graph's flat inputs.
+
+    Per call: read the token count (the first SymInt input), pick the entry once, set the forward
+    context, run the split module's generated code (which calls `PieceRunner`s and eager splitting
+    pieces from plain attributes).
+    """
+
+    def __init__(self, split_gm: torch.fx.GraphModule, table: EntryTable, state: DispatchState,
+                 sym_index: int | None, tag: str, max_num_tokens: int) -> None:
+        self.forward = fx_forward(split_gm)
+        self.split_gm = split_gm
+        self.table = table
+        self.state = state
+        self.sym_index = sym_index
+        self.tag = tag
+        self.max_num_tokens = max_num_tokens
+
+    def __call__(self, *args: Any) -> Any:
+        if self.sym_index is None:
+            n = -1
+            self.state.entry = 0
+        else:
+            n = args[self.sym_index]
+            e = self.table.index_for(n)
+            if e < 0:
+                raise InputError(
+                    f"dynamic size {n} exceeds max_num_tokens={self.max_num_tokens} of tag {self.tag!r}; "
+                    "raise max_num_tokens in the CompilationConfig"
+                )
+            self.state.entry = e
+        token = _current.set(ForwardContext(n, n, "none", None, self.tag))
+        try:
+            return self.forward(*args)
+        finally:
+            _current.reset(token)
+
+
+class PiecewiseBackend:
+    """Compiles one Dynamo graph piecewise. See module doc.
+
+    Attributes after the call: `split` (the `SplitResult`), `runners`, `table`, `traced_files`
+    (source files Dynamo inlined), `timings` (seconds per phase), `graph_code` (readable split
+    graph).
+    """
+
+    def __init__(self, config: CompilationConfig, tag: str) -> None:
+        self.config = config
+        self.tag = tag
+        self.adaptor: CompilerAdaptor = get_adaptor(config.backend, config)
+        self.split_ops = resolve_splitting_ops(config.splitting_ops) if config.mode == "piecewise" else ()
+        self.compiled: StitchedForward | None = None
+        self.split: SplitResult | None = None
+        self.runners: list[PieceRunner] = []
+        self.table: EntryTable | None = None
+        self.traced_files: set[str] = set()
+        self.timings: dict[str, float] = {}
+        self.graph_code = ""
+
+    # -- phases -------------------------------------------------------------------------------
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if self.compiled is not None:
+            counters.bump("recompiles", tag=self.tag)
+            raise RecompileError(
+                f"tag {self.tag!r} was asked to compile a second graph; an input changed in a way the first trace "
+                "did not cover (dtype, rank, a dim not marked dynamic, a Python branch). Mark the dim dynamic or "
+                "compile the variant under another tag"
+            )
+        counters.bump("graphs_seen", tag=self.tag)
+        self.traced_files = traced_source_files()
+        t0 = time.perf_counter()
+        self.split = self._split(gm)
+        self.timings["split"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.compiled = self._compile(self.split, list(example_inputs))
+        self.timings["compile"] = time.perf_counter() - t0
+        self.graph_code = render_split_graph(self.split)
+        log.info(
+            "[%s] %d pieces (%d compiled, %d distinct) split in %.3fs, compiled in %.3fs with %s",
+            self.tag, len(self.split.items), len(self.runners), len({r.fingerprint for r in self.runners}),
+            self.timings["split"], self.timings["compile"], self.adaptor.name,
+        )
+        return self.compiled
+
+    def _split(self, gm: torch.fx.GraphModule) -> SplitResult:
+        for name in self.split_ops:
+            if not op_exists(name):
+                warnings.warn(f"splitting op {name!r} is not a registered torch op; check the name", stacklevel=3)
+        result = split_graph(gm, self.split_ops)
+        if self.config.mode == "piecewise" and result.num_splitting == 0:
+            counters.bump("fallbacks", tag=self.tag)
+            warnings.warn(
+                f"[{self.tag}] piecewise mode found none of the splitting ops {list(self.split_ops)} in the graph; "
+                "compiling it as one piece. Register attention with piecewise.splitting_op or set splitting_ops",
+                stacklevel=3,
+            )
+        n_split = result.num_splitting
+        counters.bump("pieces_seen", len(result.items), tag=self.tag)
+        counters.bump("splitting_pieces", n_split, tag=self.tag)
+        counters.bump("pieces_compiled", len(result.items) - n_split, tag=self.tag)
+        return result
+
+    def _compile(self, split: SplitResult, example_inputs: list[Any]) -> StitchedForward:
+        table: EntryTable
+        symbol: Any = None
+        state = DispatchState()
+        split_gm = split.split_module
+        by_name = {it.name: it for it in split.items}
+        compiled_by_fp: dict[str, list[Callable[..., Any]]] = {}
+        progress = _progress(len(split.items) - split.num_splitting, f"compiling {self.tag}")
+        backend = self
+
+        class _Propagate(torch.fx.Interpreter):
+            def call_module(self, target, args, kwargs):
+                item = by_name.get(target)
+                if item is not None and not item.is_splitting:
+                    fp = piece_fingerprint(item.graph, args)
+                    runner = PieceRunner(item.name, item.index, item.graph, state, fp)
+                    if fp not in compiled_by_fp:
+                        compiled_by_fp[fp] = backend._compile_piece(item.graph, args, table, symbol)
+                    runner.callables = compiled_by_fp[fp]
+                    backend.runners.append(runner)
+                    progress.update(1)
+                return super().call_module(target, args, kwargs)
+
+        # Dynamo hands real tensors for user inputs; its fake mode memoises their symbolic fakes.
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        if fake_mode is None:
+            fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+        fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        sym_index = next((i for i, x in enumerate(fake_inputs) if isinstance(x, torch.SymInt)), None)
+        symbol = dispatch_symbol(fake_inputs) if sym_index is not None else None
+        self.table = table = EntryTable(self.config, dynamic=sym_index is not None)
+        # Inference only: pieces compile without autograd (no joint graphs), whatever the caller's mode.
+        with fake_mode, enable_python_dispatcher(), torch.no_grad():
+            _Propagate(split_gm).run(*fake_inputs)
+        progress.close()
+        # Instance attributes win over nn.Module.__getattr__, so the generated forward calls these
+        # directly; splitting pieces skip Module.__call__ overhead through their bound forward.
+        for item in split.items:
+            if item.is_splitting:
+                split_gm.__dict__[item.name] = fx_forward(item.graph)
+        for runner in self.runners:
+            split_gm.__dict__[runner.name] = runner
+        return StitchedForward(split_gm, table, state, sym_index, self.tag, self.config.max_num_tokens)
+
+    def _compile_piece(self, graph: torch.fx.GraphModule, args: Sequence[Any], table: EntryTable, symbol: Any) -> list[Callable[..., Any]]:
+        """Compile one distinct piece for every entry; returns the callables in entry order."""
+        out: list[Callable[..., Any]] = []
+        shared: CompiledPiece | None = None
+        for entry in table.entries:
+            if shared is not None and not self.adaptor.specializes_sizes:
+                out.append(shared.fn)
+                continue
+            target = CompileTarget(entry.target.compile_range, entry.target.size, symbol)
+            t0 = time.perf_counter()
+            try:
+                piece = self.adaptor.compile(graph, args, target)
+            except CompileError as e:
+                if entry.kind is not EntryKind.SIZE or not out:
+                    raise
+                # A size this piece cannot specialise on runs the general/range code instead.
+                log.warning("[%s] %s; using the symbolic compile for %s", self.tag, e, target.label)
+                out.append(out[_symbolic_entry_for(table, entry.target.size)])
+                continue
+            counters.bump("compiler_invocations", tag=self.tag)
+            log.debug("[%s] compiled a piece for %s in %.3fs", self.tag, target.label, time.perf_counter() - t0)
+            shared = shared or piece
+            out.append(piece.fn)
+        return out
+
+
+def _symbolic_entry_for(table: EntryTable, size: int) -> int:
+    """Index of the general or range entry that would serve `size` without a size compile."""
+    for i, e in enumerate(table.entries):
+        r = e.target.compile_range
+        if e.kind is EntryKind.GENERAL or (e.kind is EntryKind.RANGE and size in r):
+            return i
+    return 0
+
+
+def render_split_graph(split: SplitResult) -> str:
+    """Readable Python of the split module and each piece (written as computation_graph.py)."""
+    parts = ["# split module\n", split.split_module.code]
+    for it in split.items:
+        kind = "splitting" if it.is_splitting else "compiled"
+        parts.append(f"\n# ---- {it.name} (id {it.index}, {kind})\n")
+        parts.append(it.graph.code)
+    return "".join(parts)
+
+
+def traced_source_files() -> set[str]:
+    """Files of every code object Dynamo inlined into the graph being compiled."""
+    codes = torch._guards.TracingContext.get_traced_code() or []
+    return {c.co_filename for c in codes}
+
+
+class _NoProgress:
+    def update(self, n: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress(total: int, desc: str):
+    if total > 1 and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="piece", leave=False)
+    return _NoProgress()
+
+
+def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """``torch.compile(model, backend="piecewise")``: a fresh backend per graph, default config
+    (from the environment, see `CompilationConfig.from_env`)."""
+    from .api import unique_tag
+
+    config = CompilationConfig.from_env()
+    tag = unique_tag(config.tag or "torch_compile")
+    return PiecewiseBackend(config, tag)(gm, example_inputs)

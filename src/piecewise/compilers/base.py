@@ -1,0 +1,92 @@
+"""The adaptor interface and the records it exchanges with the backend."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx
+
+from ..config import CompileRange
+
+__all__ = ["CompileTarget", "CompiledPiece", "CompilerAdaptor"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileTarget:
+    """What one compile is for: the general shape, one range, or one static size.
+
+    Exactly one of `compile_range` / `size` is set for a range or size compile; neither for the
+    general compile."""
+
+    compile_range: CompileRange | None = None
+    size: int | None = None
+    #: the sympy symbol of the dispatch dim (the token count) in the piece's example inputs
+    symbol: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+    @property
+    def label(self) -> str:
+        if self.size is not None:
+            return f"size {self.size}"
+        if self.compile_range is not None:
+            return f"range {self.compile_range}"
+        return "general"
+
+    @property
+    def key(self) -> str:
+        """A file-name-safe token naming this target (cache artifact names)."""
+        if self.size is not None:
+            return f"size_{self.size}"
+        if self.compile_range is not None:
+            return f"range_{self.compile_range.start}_{self.compile_range.end}"
+        return "general"
+
+
+@dataclasses.dataclass
+class CompiledPiece:
+    """A compiled callable plus, when the adaptor can save it, its serialised bytes.
+
+    Attributes:
+        fn: called as ``fn(*args)`` with the piece's runtime arguments; returns what the piece's
+            graph returns.
+        payload: bytes that `CompilerAdaptor.load` turns back into `fn` (None: not saveable).
+    """
+
+    fn: Callable[..., Any]
+    payload: bytes | None = None
+
+
+class CompilerAdaptor(abc.ABC):
+    """Turns a piece graph into a callable; optionally saves and loads it.
+
+    `compute_hash` must change whenever anything about the adaptor that changes its output
+    changes (torch version, config patches, passes): it enters the cache key."""
+
+    name: str = "?"
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def compute_hash(self) -> str: ...
+
+    @abc.abstractmethod
+    def compile(
+        self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget
+    ) -> CompiledPiece: ...
+
+    def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
+        """Rebuild a callable from `CompiledPiece.payload`. Adaptors that save nothing never
+        receive this call."""
+        raise NotImplementedError(f"adaptor {self.name!r} does not load artifacts")
+
+    @property
+    def saves_artifacts(self) -> bool:
+        return False
+
+    @property
+    def specializes_sizes(self) -> bool:
+        """Whether a static-size compile produces different code than the general one."""
+        return True

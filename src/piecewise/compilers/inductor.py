@@ -1,0 +1,137 @@
+"""The ``inductor`` adaptor: `torch._inductor.standalone_compile` per piece (SPEC §4.5).
+
+The general and range compiles keep the piece's symbolic shapes (read from the ambient Dynamo
+tracing context); a size compile re-specialises the piece on concrete shapes in a fresh fake mode,
+so its graph holds no SymInt. Artifacts are compiled in AOT mode: `serialize()` yields one
+self-contained byte string (the bundled AOTAutograd entry with its Inductor code), which is what
+the cache stores and `load` turns back into a callable without running Inductor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..errors import CompileError
+from .base import CompiledPiece, CompilerAdaptor, CompileTarget
+
+__all__ = ["InductorAdaptor"]
+
+
+class InductorAdaptor(CompilerAdaptor):
+    name = "inductor"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.config_patches: dict[str, Any] = dict(config.inductor_options)
+        self._hash: str | None = None
+
+    def compute_hash(self) -> str:
+        if self._hash is None:
+            from torch._inductor import config as inductor_config
+
+            # The portable config dict excludes machine-local entries (paths, worker counts).
+            with inductor_config.patch(self.config_patches):
+                cfg = inductor_config.save_config_portable()
+            blob = json.dumps(
+                {"torch": torch.__version__, "inductor_config": {k: repr(v) for k, v in sorted(cfg.items())}},
+                sort_keys=True,
+            )
+            self._hash = hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return self._hash
+
+    @property
+    def saves_artifacts(self) -> bool:
+        return True
+
+    def compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget) -> CompiledPiece:
+        from torch._inductor import standalone_compile
+
+        options = {"config_patches": dict(self.config_patches)}
+        try:
+            if target.size is not None:
+                inputs, fake_mode = _static_inputs(example_inputs, target.size, target.symbol)
+                art = standalone_compile(
+                    graph, inputs, dynamic_shapes="from_example_inputs", options=options, aot=True, fake_mode=fake_mode
+                )
+            else:
+                art = standalone_compile(
+                    graph, list(example_inputs), dynamic_shapes="from_tracing_context", options=options, aot=True
+                )
+        except Exception as e:
+            raise CompileError(f"Inductor failed to compile a piece for {target.label}: {type(e).__name__}: {e}") from e
+        try:
+            payload = art.serialize()
+        except Exception:  # unserialisable graph: still usable, just not cached
+            payload = None
+        return CompiledPiece(art, payload)
+
+    def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
+        from torch._inductor.standalone_compile import AOTCompiledArtifact
+
+        return AOTCompiledArtifact.deserialize(payload)
+
+
+def _static_inputs(example_inputs: Sequence[Any], size: int, symbol: Any = None) -> tuple[list[Any], Any]:
+    """Concrete fake inputs for a size compile: the dispatch symbol becomes `size`.
+
+    Raises:
+        CompileError: an input depends on a symbol other than the dispatch symbol, so a static
+            compile could specialise a dim that varies independently at runtime.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    symbol = symbol if symbol is not None else dispatch_symbol(example_inputs)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def concrete(v: Any) -> int:
+        if isinstance(v, torch.SymInt):
+            expr = v.node.expr
+            free = expr.free_symbols
+            if free - {symbol}:
+                raise CompileError(
+                    f"a size compile needs every dynamic dim to follow the token count, but {expr} depends on "
+                    f"{sorted(map(str, free - {symbol}))}; drop compile_sizes or mark fewer dims dynamic"
+                )
+            return int(expr.xreplace({symbol: size}))
+        return int(v)
+
+    out: list[Any] = []
+    with fake_mode:
+        for x in example_inputs:
+            if isinstance(x, torch.Tensor):
+                out.append(
+                    torch.empty_strided(
+                        [concrete(s) for s in x.shape],
+                        [concrete(s) for s in x.stride()],
+                        dtype=x.dtype,
+                        device=x.device,
+                        requires_grad=x.requires_grad,
+                    )
+                )
+            elif isinstance(x, torch.SymInt):
+                out.append(concrete(x))
+            else:
+                out.append(x)
+    return out, fake_mode
+
+
+def dispatch_symbol(example_inputs: Sequence[Any]):
+    """The sympy symbol of the first SymInt among `example_inputs` (the token count), or None."""
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt):
+            syms = x.node.expr.free_symbols
+            if len(syms) == 1:
+                return next(iter(syms))
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            for s in x.shape:
+                if isinstance(s, torch.SymInt) and len(s.node.expr.free_symbols) == 1:
+                    return next(iter(s.node.expr.free_symbols))
+    return None

@@ -1,0 +1,214 @@
+"""`CompilationConfig`: one frozen, validated record of how a model is compiled.
+
+Derived values (the resolved compile ranges, the capture schedule) live in the objects that derive
+them, never written back here. Validation runs in `__post_init__`, so an invalid config never
+exists; every failure is a `ConfigError` naming the field and the remedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["CompilationConfig", "CompileRange", "MODES", "CUDAGRAPH_MODES"]
+
+MODES = ("none", "full", "piecewise")
+CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
+
+#: Fields that change generated code and therefore enter the cache key (SPEC §5.2). The rest
+#: (cache_dir, tag, debug, ...) are cosmetic or locate the cache and must not split it.
+CODE_FIELDS = (
+    "mode",
+    "backend",
+    "splitting_ops",
+    "compile_sizes",
+    "compile_ranges",
+    "max_num_tokens",
+    "inductor_options",
+)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class CompileRange:
+    """An inclusive range of runtime token counts `[start, end]` compiled as one artifact."""
+
+    start: int
+    end: int
+
+    def __contains__(self, n: object) -> bool:
+        return isinstance(n, int) and self.start <= n <= self.end
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end}]"
+
+
+def _int_list(name: str, value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (int, str)) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"{name}={value!r} must be a list of positive integers, e.g. {name}=[1, 8]")
+    out = []
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} holds {v!r}; every entry must be a positive integer")
+        out.append(v)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilationConfig:
+    """How `piecewise.compile` compiles one region of a model.
+
+    Fields:
+        mode: ``"none"`` runs the model eagerly (no Dynamo), ``"full"`` compiles the whole graph as
+            one piece, ``"piecewise"`` cuts it at splitting ops and compiles each piece.
+        backend: compiler adaptor name: ``"inductor"``, ``"eager"`` (split only, no codegen), or a
+            name registered with `piecewise.compilers.register_adaptor`.
+        splitting_ops: op names to cut at, in any spelling (``ns::op``, ``ns.op``,
+            ``ns::op.default``) or op objects. ``None`` means every op registered with
+            `piecewise.splitting_op`.
+        compile_sizes: token counts that also get a static-shape compile (exact match wins).
+        compile_ranges: range end points; ``[16, 256]`` gives ranges ``[1,16]``, ``[17,256]`` and
+            ``[257, max_num_tokens]``, each compiled once. Empty means one general compile.
+        max_num_tokens: the largest size of any dynamic dim the model is called with; larger
+            calls raise `InputError` before running.
+        cudagraph_mode / cudagraph_capture_sizes: graph capture (accelerators only; CPU resolves
+            to ``"none"``).
+        cache_dir: root of the compile cache; ``None`` means ``PIECEWISE_CACHE_DIR`` or the
+            platform's user cache dir.
+        tag: the name of this compiled region (its own cache subdir and counters). ``None``
+            derives one from the model class, made unique within the process.
+        inductor_options: Inductor config patches for the ``inductor`` adaptor.
+        debug: check on every call that the first trace's Dynamo guards still hold (slow).
+
+    Raises:
+        ConfigError: on any invalid field, naming it and the remedy.
+    """
+
+    mode: str = "piecewise"
+    backend: str = "inductor"
+    splitting_ops: tuple[Any, ...] | None = None
+    compile_sizes: tuple[int, ...] = ()
+    compile_ranges: tuple[int, ...] = ()
+    cudagraph_mode: str = "piecewise"
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_num_tokens: int = 512
+    cache_dir: str | None = None
+    tag: str | None = None
+    inductor_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r} is not one of {MODES}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"backend={self.backend!r} must be an adaptor name such as 'inductor' or 'eager'")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ConfigError(f"cudagraph_mode={self.cudagraph_mode!r} is not one of {CUDAGRAPH_MODES}")
+        if isinstance(self.max_num_tokens, bool) or not isinstance(self.max_num_tokens, int) or self.max_num_tokens < 1:
+            raise ConfigError(f"max_num_tokens={self.max_num_tokens!r} must be a positive integer")
+        if self.splitting_ops is not None:
+            if isinstance(self.splitting_ops, str):
+                raise ConfigError(
+                    f"splitting_ops={self.splitting_ops!r} must be a list of op names, e.g. [{self.splitting_ops!r}]"
+                )
+            set_(self, "splitting_ops", tuple(self.splitting_ops))
+        sizes = _int_list("compile_sizes", self.compile_sizes)
+        for s in sizes:
+            if s > self.max_num_tokens:
+                raise ConfigError(
+                    f"compile size {s} exceeds max_num_tokens={self.max_num_tokens}; raise max_num_tokens or drop the size"
+                )
+        set_(self, "compile_sizes", tuple(sorted(set(sizes))))
+        ends = _int_list("compile_ranges", self.compile_ranges)
+        if list(ends) != sorted(set(ends)):
+            raise ConfigError(f"compile_ranges={list(ends)} must be strictly increasing end points, e.g. [16, 256]")
+        for e in ends:
+            if e > self.max_num_tokens:
+                raise ConfigError(
+                    f"compile range end {e} exceeds max_num_tokens={self.max_num_tokens}; raise max_num_tokens or drop it"
+                )
+        set_(self, "compile_ranges", ends)
+        if self.cudagraph_capture_sizes is not None:
+            set_(self, "cudagraph_capture_sizes", _int_list("cudagraph_capture_sizes", self.cudagraph_capture_sizes))
+        if self.tag is not None and (not isinstance(self.tag, str) or not self.tag or "/" in self.tag or self.tag.startswith(".")):
+            raise ConfigError(f"tag={self.tag!r} must be a non-empty name without '/' or a leading '.'")
+        if not isinstance(self.inductor_options, Mapping):
+            raise ConfigError(f"inductor_options={self.inductor_options!r} must be a mapping of Inductor config names to values")
+        set_(self, "inductor_options", dict(self.inductor_options))
+
+    # -- derived views -------------------------------------------------------------------------
+    def ranges(self) -> tuple[CompileRange, ...]:
+        """The compile ranges as inclusive `CompileRange`s covering ``[1, max_num_tokens]``.
+
+        Empty when no `compile_ranges` are set (one general compile serves every size)."""
+        if not self.compile_ranges:
+            return ()
+        out, start = [], 1
+        for end in self.compile_ranges:
+            out.append(CompileRange(start, end))
+            start = end + 1
+        if start <= self.max_num_tokens:
+            out.append(CompileRange(start, self.max_num_tokens))
+        return tuple(out)
+
+    def code_factors(self) -> dict[str, Any]:
+        """The fields that change generated code, as JSON-ready data (for the cache key)."""
+        from .ops import normalize_op_name
+
+        out: dict[str, Any] = {}
+        for name in CODE_FIELDS:
+            v = getattr(self, name)
+            if name == "splitting_ops" and v is not None:
+                v = sorted({normalize_op_name(o) for o in v})
+            elif isinstance(v, tuple):
+                v = list(v)
+            elif isinstance(v, dict):
+                v = {k: repr(v[k]) for k in sorted(v)}
+            out[name] = v
+        return out
+
+    def replace(self, **changes: Any) -> "CompilationConfig":
+        """A validated copy with `changes` applied."""
+        return dataclasses.replace(self, **changes)
+
+    # -- constructors --------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CompilationConfig":
+        """Build from a mapping; unknown keys raise `ConfigError` naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown}; valid fields are {sorted(names)}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "CompilationConfig":
+        """Build from ``PIECEWISE_CONFIG`` (a JSON object) plus ``PIECEWISE_MODE``,
+        ``PIECEWISE_BACKEND`` and ``PIECEWISE_MAX_NUM_TOKENS``; `overrides` win."""
+        env = os.environ if environ is None else environ
+        data: dict[str, Any] = {}
+        raw = env.get("PIECEWISE_CONFIG")
+        if raw:
+            try:
+                data.update(json.loads(raw))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"PIECEWISE_CONFIG is not valid JSON ({e}); give a JSON object") from None
+        for key, field, conv in (
+            ("PIECEWISE_MODE", "mode", str),
+            ("PIECEWISE_BACKEND", "backend", str),
+            ("PIECEWISE_MAX_NUM_TOKENS", "max_num_tokens", int),
+        ):
+            if key in env:
+                try:
+                    data[field] = conv(env[key])
+                except ValueError:
+                    raise ConfigError(f"{key}={env[key]!r} is not a valid {field}") from None
+        data.update(overrides)
+        return cls.from_dict(data)

@@ -1,0 +1,95 @@
+"""Process-wide tallies of compile work, for tests and logs.
+
+`counters` is the single instance. `counters.expect(**deltas)` asserts how much a block of code
+did: ``with counters.expect(pieces_compiled=3, recompiles=0): model(x)``. Backends also keep
+per-tag tallies (`counters.by_tag[tag]`), so several compiled regions can be told apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+
+__all__ = ["Counters", "counters", "CounterMismatch"]
+
+
+class CounterMismatch(AssertionError):
+    """A `Counters.expect` block did not do the expected work."""
+
+
+@dataclasses.dataclass
+class _Tally:
+    graphs_seen: int = 0  # graphs handed to a piecewise backend by Dynamo
+    dynamo_traces: int = 0  # Dynamo traces run by piecewise.compile
+    pieces_seen: int = 0  # pieces produced by splitting (splitting and compiled)
+    pieces_compiled: int = 0  # non-splitting pieces given compiled callables
+    splitting_pieces: int = 0
+    compiler_invocations: int = 0  # adaptor.compile calls (general, per range, per size)
+    recompiles: int = 0  # a backend instance asked to compile a second graph
+    fallbacks: int = 0  # piecewise mode fell back to a single piece
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_loads: int = 0  # artifacts loaded from disk
+    artifacts_saved: int = 0
+    cache_errors: int = 0  # bad entries found (reported, moved aside)
+    capturable_pieces: int = 0
+    graphs_captured: int = 0
+    graph_replays: int = 0
+    eager_above_capture: int = 0  # calls above the largest capture size
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(_Tally))
+
+
+class Counters(_Tally):
+    """Process-wide tallies; see module doc. Thread-safe increments through `bump`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self.by_tag: dict[str, _Tally] = defaultdict(_Tally)
+
+    def bump(self, name: str, n: int = 1, tag: str | None = None) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+            if tag is not None:
+                t = self.by_tag[tag]
+                setattr(t, name, getattr(t, name) + n)
+
+    def snapshot(self) -> dict[str, int]:
+        return {f: getattr(self, f) for f in FIELDS}
+
+    def reset(self) -> None:
+        with self._lock:
+            for f in FIELDS:
+                setattr(self, f, 0)
+            self.by_tag.clear()
+
+    @contextlib.contextmanager
+    def expect(self, **deltas: int) -> Iterator[None]:
+        """Assert that the block changes each named counter by exactly the given amount.
+
+        Raises:
+            ValueError: a name is not a counter.
+            CounterMismatch: listing every counter whose delta differs (on normal exit only).
+        """
+        unknown = sorted(set(deltas) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"unknown counter(s) {unknown}; known: {list(FIELDS)}")
+        before = self.snapshot()
+        yield
+        after = self.snapshot()
+        wrong = {k: (after[k] - before[k], v) for k, v in deltas.items() if after[k] - before[k] != v}
+        if wrong:
+            parts = ", ".join(f"{k}: got {got}, expected {exp}" for k, (got, exp) in wrong.items())
+            raise CounterMismatch(f"counter deltas differ: {parts}")
+
+    def delta_since(self, before: dict[str, int]) -> dict[str, int]:
+        now = self.snapshot()
+        return {k: now[k] - before[k] for k in FIELDS if now[k] != before[k]}
+
+
+counters = Counters()

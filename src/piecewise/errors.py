@@ -1,0 +1,59 @@
+"""One exception hierarchy for the library.
+
+Every message names the offending value and the remedy, so a user can act on it without reading
+our source.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PiecewiseError",
+    "ConfigError",
+    "InputError",
+    "SplitError",
+    "CompileError",
+    "RecompileError",
+    "GuardFailureError",
+    "CacheError",
+    "CaptureError",
+]
+
+
+class PiecewiseError(Exception):
+    """Base class of every error raised by piecewise."""
+
+
+class ConfigError(PiecewiseError, ValueError):
+    """An invalid `CompilationConfig` field or combination of fields."""
+
+
+class InputError(PiecewiseError, ValueError):
+    """A call's inputs do not match what the compiled model was built for (dtype, device, rank,
+    a dynamic size above `max_num_tokens`). Raised before anything runs."""
+
+
+class SplitError(PiecewiseError):
+    """The FX graph could not be cut into pieces."""
+
+
+class CompileError(PiecewiseError):
+    """A piece failed to compile with the configured compiler adaptor."""
+
+
+class RecompileError(PiecewiseError):
+    """Dynamo asked a backend instance to compile a second graph. After warm-up a compiled model
+    never recompiles; this names what changed."""
+
+
+class GuardFailureError(PiecewiseError):
+    """Debug mode only: a Dynamo guard of the first trace would have failed on this call, so the
+    guard-free dispatch would run code traced for other inputs."""
+
+
+class CacheError(PiecewiseError):
+    """A compile-cache entry is unusable. The cache reports it and recompiles; this type reaches
+    users only from the `piecewise cache` tools."""
+
+
+class CaptureError(PiecewiseError):
+    """Graph capture or replay failed (a moved input address, a missing graph)."""

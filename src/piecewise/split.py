@@ -1,0 +1,175 @@
+"""Cutting a Dynamo FX graph into pieces at splitting ops (SPEC §4.3).
+
+Nodes are walked in graph order. Each splitting-op node opens a subgraph of its own (consecutive
+splitting ops share one); the nodes between splitting ops share one subgraph. A ``getitem`` on a
+tuple stays with its producer, so no piece receives a whole tuple. Node order is kept as traced:
+splitting ops may mutate their inputs, so reordering is unsafe. ``x.size()`` is first rewritten to
+per-dim ``x.size(i)`` calls, so a ``torch.Size`` never crosses a piece boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from .errors import SplitError
+from .ops import normalize_op_name
+
+__all__ = ["SplitItem", "SplitResult", "split_graph", "is_splitting_node", "decompose_size_calls", "fx_forward"]
+
+
+def fx_forward(gm: torch.fx.GraphModule):
+    """The generated ``forward`` of `gm`, bound, bypassing ``nn.Module.__call__`` (hooks, ~µs a call).
+
+    Lazy graph modules generate code on first call through ``Module.__call__``; force it now so the
+    bound method is the real one."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    _LazyGraphModule.force_recompile(gm)
+    return gm.forward
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitItem:
+    """One piece of a split graph.
+
+    Attributes:
+        name: the submodule's attribute name in the split module (``submod_<id>``).
+        index: the integer subgraph id; items are ordered by it, never by name.
+        is_splitting: True for a piece holding splitting ops (runs eagerly).
+        graph: the piece's `torch.fx.GraphModule`.
+    """
+
+    name: str
+    index: int
+    is_splitting: bool
+    graph: torch.fx.GraphModule
+
+
+@dataclasses.dataclass
+class SplitResult:
+    split_module: torch.fx.GraphModule
+    items: list[SplitItem]
+
+    @property
+    def num_splitting(self) -> int:
+        return sum(i.is_splitting for i in self.items)
+
+
+def _target_name(target: object) -> str | None:
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return normalize_op_name(target)
+    return None
+
+
+def is_splitting_node(node: torch.fx.Node, split_ops: frozenset[str]) -> bool:
+    """Whether `node` calls one of the normalised `split_ops`."""
+    return node.op == "call_function" and _target_name(node.target) in split_ops
+
+
+def _is_whole_size_call(node: torch.fx.Node) -> bool:
+    if node.kwargs:
+        return False
+    if node.op == "call_method" and node.target == "size":
+        return len(node.args) == 1
+    return node.op == "call_function" and node.target in (torch.Tensor.size,) and len(node.args) == 1
+
+
+def decompose_size_calls(gm: torch.fx.GraphModule) -> int:
+    """Rewrite every ``x.size()`` into per-dim ``x.size(i)`` nodes; returns how many were rewritten.
+
+    ``getitem(size, i)`` users read the dim node directly; other users get a tuple of dim nodes.
+    """
+    graph = gm.graph
+    rewritten = 0
+    for node in list(graph.nodes):
+        if not _is_whole_size_call(node):
+            continue
+        val = node.meta.get("example_value")
+        if val is None:
+            continue  # rank unknown: leave it, split_module passes it through unchanged
+        (src,) = node.args
+        dims = []
+        with graph.inserting_after(node):
+            for i in reversed(range(len(val))):
+                d = graph.call_method("size", (src, i))
+                d.meta["example_value"] = val[i]
+                dims.append(d)
+        dims.reverse()
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
+                user.replace_all_uses_with(dims[user.args[1]])
+                graph.erase_node(user)
+            else:
+                user.args = torch.fx.node.map_arg(user.args, lambda n: tuple(dims) if n is node else n)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda n: tuple(dims) if n is node else n)
+        graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        graph.eliminate_dead_code()
+        gm.recompile()
+    return rewritten
+
+
+def assign_subgraphs(graph: torch.fx.Graph, split_ops: frozenset[str]) -> tuple[dict[torch.fx.Node, int], set[int]]:
+    """Map every compute node to a subgraph id; returns the map and the splitting ids."""
+    node_to_id: dict[torch.fx.Node, int] = {}
+    splitting_ids: set[int] = set()
+    current = 0
+    prev_was_split = False
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and isinstance(node.args[0], torch.fx.Node)
+            and node.args[0] in node_to_id
+        ):
+            node_to_id[node] = node_to_id[node.args[0]]
+            continue
+        if is_splitting_node(node, split_ops):
+            if not prev_was_split:
+                current += 1
+            node_to_id[node] = current
+            splitting_ids.add(current)
+            prev_was_split = True
+            continue
+        if prev_was_split:
+            current += 1
+            prev_was_split = False
+        node_to_id[node] = current
+    return node_to_id, splitting_ids
+
+
+def split_graph(gm: torch.fx.GraphModule, split_ops: Iterable[str]) -> SplitResult:
+    """Split `gm` at nodes calling any of the normalised `split_ops`.
+
+    Returns the split module (its submodules are ``submod_<id>``) and the items sorted by id.
+    With no split points the result has a single non-splitting item.
+
+    Raises:
+        SplitError: `split_module` failed on this graph.
+    """
+    ops = frozenset(split_ops)
+    decompose_size_calls(gm)
+    node_to_id, splitting_ids = assign_subgraphs(gm.graph, ops)
+    try:
+        split_gm = split_module(
+            gm, None, lambda n: node_to_id[n], keep_original_order=True, keep_original_node_name=True
+        )
+    except Exception as e:  # split_module raises bare Exceptions of several types
+        raise SplitError(f"could not split the graph at {sorted(ops)}: {e}") from e
+    items = []
+    for name, sub in split_gm.named_children():
+        if not name.startswith("submod_"):
+            continue
+        index = int(name[len("submod_"):])
+        items.append(SplitItem(name, index, index in splitting_ids, sub))
+    items.sort(key=lambda it: it.index)
+    return SplitResult(split_gm, items)

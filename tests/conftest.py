@@ -1,0 +1,44 @@
+"""Test-session setup: every cache lives in one session temp dir, removed at the end.
+
+Set before torch is imported anywhere, so Inductor's on-disk caches (FX graph, AOTAutograd, C++
+kernels) are shared by every test of the session and nothing is written outside the temp dir.
+"""
+
+import os
+import shutil
+import tempfile
+
+_SESSION_DIR = tempfile.mkdtemp(prefix="piecewise-tests-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_SESSION_DIR, "inductor")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_SESSION_DIR, "triton")
+os.environ["PIECEWISE_CACHE_DIR"] = os.path.join(_SESSION_DIR, "piecewise")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HOME"] = os.path.join(_SESSION_DIR, "hf")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="GPU tier: needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def session_dir():
+    return _SESSION_DIR
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield

@@ -1,0 +1,161 @@
+"""The reference Llama decoder and its continuous-batching greedy loop (CPU tier)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from piecewise.forward_context import ForwardContext, set_forward_context
+from piecewise.models.decode import default_trace, greedy_decode, make_prompts
+from piecewise.models.llama import LLAMA_ATTENTION_OP, LlamaConfig, LlamaForCausalLM, llama_attention
+from piecewise.ops import registered_splitting_ops
+
+ATTN = torch.ops.piecewise_models.llama_attention.default
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(), seed=0).eval()
+
+
+def _step(model, ids, positions, seq_ids):
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    with torch.no_grad():
+        return model(t(ids), t(positions), t(seq_ids))
+
+
+def _caches(model) -> list[torch.Tensor]:
+    return [b.clone() for layer in model.layers for b in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+
+
+def test_attention_is_a_registered_splitting_op():
+    assert LLAMA_ATTENTION_OP == "piecewise_models::llama_attention"
+    assert LLAMA_ATTENTION_OP in registered_splitting_ops()
+
+
+def test_same_seed_same_weights_different_seed_different_weights():
+    a, b, c = (LlamaForCausalLM(seed=s).state_dict() for s in (3, 3, 4))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+
+
+def test_incremental_decode_matches_one_prefill(model):
+    seq = make_prompts(1, model.config.vocab_size, seed=11, min_len=14, max_len=14)[0]
+    model.reset_kv_cache()
+    full = _step(model, seq, range(len(seq)), [2] * len(seq))
+
+    # Prefill 5, a chunk of 4 that attends to cached and fresh keys, then one token at a time; in
+    # another slot, with stale entries from the full run left in slot 2 to prove slots are separate.
+    pieces, start = [], 0
+    for end in (5, 9, *range(10, len(seq) + 1)):
+        pieces.append(_step(model, seq[start:end], range(start, end), [6] * (end - start)))
+        start = end
+    torch.testing.assert_close(torch.cat(pieces), full, rtol=1e-5, atol=1e-5)
+
+
+def test_tokens_do_not_depend_on_batching_or_arrival_order(model):
+    prompts = make_prompts(5, model.config.vocab_size, seed=5, min_len=2, max_len=12)
+    run = lambda ps, **kw: greedy_decode(model, ps, 6, reset=model.reset_kv_cache, **kw).tokens  # noqa: E731
+
+    alone = [run([p])[0] for p in prompts]
+    assert len({tuple(t) for t in alone}) == len(prompts)  # distinct outputs: the comparison means something
+    assert run(prompts, arrival_steps=[0] * 5) == alone
+    # Reversed order, uneven arrivals and two slots: requests wait, share steps, and reuse freed slots.
+    order = [4, 2, 0, 3, 1]
+    mixed = run([prompts[i] for i in order], arrival_steps=[3, 0, 5, 1, 1], max_num_seqs=2)
+    assert mixed == [alone[i] for i in order]
+
+
+def test_default_trace_varies_step_size(model):
+    trace = default_trace(model.config.vocab_size)
+    result = greedy_decode(model, trace.prompts, trace.max_new_tokens, arrival_steps=trace.arrival_steps,
+                           max_num_seqs=model.config.max_num_seqs, max_seq_len=model.config.max_seq_len,
+                           reset=model.reset_kv_cache)
+    assert len(set(result.step_sizes)) >= 8
+    # Every prompt token is fed once, then every generated token but the last.
+    fed = sum(map(len, trace.prompts)) + len(trace.prompts) * (trace.max_new_tokens - 1)
+    assert sum(result.step_sizes) == fed
+    assert len(result.step_seconds) == len(result.step_sizes)
+    assert all(len(t) == trace.max_new_tokens for t in result.tokens)
+    assert len({tuple(t) for t in result.tokens}) == len(trace.prompts)
+
+
+def test_pad_rows_under_forward_context_leave_cache_untouched(model):
+    ids, positions, seq_ids = [5, 6, 7], [0, 1, 2], [0, 0, 0]
+    model.reset_kv_cache()
+    expected = _step(model, ids, positions, seq_ids)
+    expected_caches = _caches(model)
+
+    # Pad rows aimed at a written row of the real sequence and at an empty slot: neither may be written.
+    model.reset_kv_cache()
+    with set_forward_context(ForwardContext(num_tokens=3, padded_num_tokens=5)):
+        padded = _step(model, ids + [9, 9], positions + [0, 4], seq_ids + [0, 1])
+    torch.testing.assert_close(padded[:3], expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(_caches(model), expected_caches):
+        assert torch.equal(got, want)
+
+
+def test_attention_op_zeroes_pad_rows():
+    q, k, v = torch.randn(4, 4, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    k_cache, v_cache = torch.zeros(2, 8, 2, 8), torch.zeros(2, 8, 2, 8)
+    positions, seq_ids = torch.tensor([0, 1, 0, 0]), torch.tensor([1, 1, 0, 0])
+    with set_forward_context(ForwardContext(num_tokens=2, padded_num_tokens=4)):
+        out = llama_attention(q, k, v, k_cache, v_cache, positions, seq_ids, 8**-0.5)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    assert out[:2].abs().sum() > 0
+    assert k_cache[0].abs().sum() == 0 and torch.equal(k_cache[1, :2], k[:2])
+
+
+def test_dynamo_traces_fullgraph_with_dynamic_num_tokens():
+    config = LlamaConfig(num_layers=3)
+    model = LlamaForCausalLM(config, seed=1).eval()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=recording_backend, fullgraph=True)
+    for n in (5, 9, 3):  # first size >= 2: Dynamo specialises sizes 0 and 1
+        inputs = (torch.randint(0, config.vocab_size, (n,)), torch.arange(n), torch.arange(n) % 3)
+        for t in inputs:
+            torch._dynamo.mark_dynamic(t, 0)
+        with torch.no_grad():
+            model.reset_kv_cache()
+            want = model(*inputs)
+            model.reset_kv_cache()
+            got = compiled(*inputs)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+    assert len(graphs) == 1  # no recompile across sizes
+    graph = graphs[0].graph
+    assert sum(node.target is ATTN for node in graph.nodes) == config.num_layers
+    # The three inputs share one symbolic size: a backend sees a single dynamic dim, num_tokens.
+    sizes = {str(node.meta["example_value"].shape[0]) for node in graph.nodes
+             if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor)
+             and node.meta["example_value"].dim() == 1 and node.meta["example_value"].dtype == torch.int64}
+    assert len(sizes) == 1 and not sizes.pop().isdigit()
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"num_heads": 4, "num_kv_heads": 3}, "num_heads"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"num_layers": 2.0}, "num_layers"),
+        ({"head_dim": 15}, "head_dim"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
+        ({"rope_theta": -1.0}, "rope_theta"),
+        ({"dtype": torch.int64}, "dtype"),
+    ],
+)
+def test_config_rejects_nonsense_naming_the_field(fields, named):
+    with pytest.raises(ValueError, match=f"LlamaConfig.{named}="):
+        LlamaConfig(**fields)
+
+
+def test_greedy_decode_rejects_requests_beyond_max_seq_len(model):
+    with pytest.raises(ValueError, match="max_seq_len=16"):
+        greedy_decode(model, [[1] * 10], 8, max_seq_len=16)

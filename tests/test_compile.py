@@ -1,0 +1,241 @@
+"""The pipeline end to end with the eager adaptor: piece counts, dispatch, no recompiles, errors."""
+
+import pytest
+import torch
+
+import piecewise as pw
+from piecewise import CompilationConfig, counters
+from piecewise.models.toy import ToyTransformer, TwoSplitModel
+
+
+def _cfg(**kw):
+    kw.setdefault("backend", "eager")
+    kw.setdefault("max_num_tokens", 64)
+    return CompilationConfig(**kw)
+
+
+def test_two_splitting_ops_give_five_pieces_three_compiled():
+    model = TwoSplitModel()
+    cm = pw.compile(model, _cfg(), dynamic_arg_dims={"x": 0})
+    with counters.expect(pieces_seen=5, pieces_compiled=3, splitting_pieces=2, graphs_seen=1, recompiles=0):
+        x = torch.randn(6, 8)
+        torch.testing.assert_close(cm(x), model(x))
+
+
+@pytest.mark.parametrize("layers", [1, 3, 5])
+def test_toy_transformer_piece_counts_and_dedupe(layers):
+    model = ToyTransformer(num_layers=layers)
+    cm = pw.compile(model, _cfg(), dynamic_arg_dims={"x": 0})
+    distinct = 2 if layers == 1 else 3
+    with counters.expect(pieces_seen=2 * layers + 1, pieces_compiled=layers + 1, compiler_invocations=distinct):
+        cm(torch.randn(5, model.dim))
+    assert len({r.fingerprint for r in cm.backend.runners}) == distinct
+
+
+def test_every_size_equals_eager_without_recompiles_first_call_size_one():
+    model = ToyTransformer(num_layers=3)
+    cm = pw.compile(model, _cfg(compile_sizes=[4, 8], compile_ranges=[16]), dynamic_arg_dims={"x": 0})
+    gen = torch.Generator().manual_seed(1)
+    dynamo_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with counters.expect(recompiles=0, dynamo_traces=1, graphs_seen=1):
+        for n in [1, *range(2, 65)]:
+            x = torch.randn(n, model.dim, generator=gen)
+            torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - dynamo_graphs == 1
+
+
+def test_exact_size_preferred_over_range():
+    from piecewise.piece import EntryKind, EntryTable
+
+    table = EntryTable(_cfg(compile_sizes=[4, 20], compile_ranges=[16]), dynamic=True)
+    kinds = [e.kind for e in table.entries]
+    assert kinds == [EntryKind.RANGE, EntryKind.RANGE, EntryKind.SIZE, EntryKind.SIZE]
+    assert table.entries[table.index_for(4)].target.size == 4
+    assert table.entries[table.index_for(20)].target.size == 20
+    assert table.entries[table.index_for(5)].target.compile_range.end == 16
+    assert table.entries[table.index_for(17)].target.compile_range.start == 17
+    assert EntryTable(_cfg(compile_sizes=[4]), dynamic=True).entries[0].kind is EntryKind.GENERAL
+
+
+def test_two_tagged_regions_do_not_interfere():
+    a, b = ToyTransformer(num_layers=2, seed=1), TwoSplitModel()
+    ca = pw.compile(a, _cfg(tag="backbone"), dynamic_arg_dims={"x": 0})
+    cb = pw.compile(b, _cfg(), dynamic_arg_dims={"x": 0})
+    cb2 = pw.compile(TwoSplitModel(), _cfg(), dynamic_arg_dims={"x": 0})
+    assert len({ca.tag, cb.tag, cb2.tag}) == 3
+    for n in (3, 9, 3):
+        x = torch.randn(n, 32)
+        torch.testing.assert_close(ca(x), a(x))
+        torch.testing.assert_close(cb(x), b(x))
+    assert counters.by_tag[ca.tag].pieces_seen == 5
+    assert counters.by_tag[cb.tag].pieces_seen == 5
+    assert counters.by_tag[ca.tag].recompiles == counters.by_tag[cb.tag].recompiles == 0
+
+
+def test_wrong_dtype_rank_and_oversize_raise_before_running():
+    model = ToyTransformer(num_layers=1)
+    cm = pw.compile(model, _cfg(max_num_tokens=16), dynamic_arg_dims={"x": 0})
+    with pytest.raises(pw.InputError, match="max_num_tokens=16"):
+        cm(torch.randn(17, 32))  # rejected before any compile
+    assert cm.backend is None
+    cm(torch.randn(4, 32))
+    with counters.expect(recompiles=0, graphs_seen=0):
+        with pytest.raises(pw.InputError, match="dtype"):
+            cm(torch.randn(4, 32, dtype=torch.float64))
+        with pytest.raises(pw.InputError, match="rank"):
+            cm(torch.randn(4, 32, 1))
+        with pytest.raises(pw.InputError, match="dim 1 is static"):
+            cm(torch.randn(4, 16))
+        with pytest.raises(pw.InputError, match="max_num_tokens"):
+            cm(torch.randn(17, 32))
+
+
+def test_dynamic_arg_dims_must_name_an_argument():
+    with pytest.raises(pw.ConfigError, match="input_ids"):
+        pw.compile(ToyTransformer(), _cfg(), dynamic_arg_dims={"input_ids": 0})
+
+
+@pw.splitting_op("pw_test_compile::scatter_add_", mutates_args=("cache",))
+def scatter_add_(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    cache[: x.shape[0]] += x
+    return x * 2
+
+
+@scatter_add_.register_fake
+def _(x, cache):
+    return torch.empty_like(x)
+
+
+@pw.splitting_op("pw_test_compile::split_two", mutates_args=())
+def split_two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.sin(), x.cos()
+
+
+@split_two.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+class MutatingModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(64, 4))
+
+    def forward(self, x):
+        y = torch.ops.pw_test_compile.scatter_add_(x + 1, self.cache)
+        a, b = torch.ops.pw_test_compile.split_two(y)
+        return a * b + self.cache[: x.shape[0]]
+
+
+def test_mutating_and_tuple_returning_splitting_ops():
+    ref, model = MutatingModel(), MutatingModel()
+    cm = pw.compile(model, _cfg(splitting_ops=["pw_test_compile::scatter_add_", "pw_test_compile.split_two"]),
+                    dynamic_arg_dims={"x": 0})
+    with counters.expect(pieces_seen=3, splitting_pieces=1, recompiles=0):
+        for n in (3, 7, 1, 7):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(cm(x), ref(x))
+            torch.testing.assert_close(model.cache, ref.cache)
+    assert model.cache.abs().sum() > 0
+
+
+class NoAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).relu()
+
+
+def test_piecewise_without_split_points_falls_back_loudly():
+    cm = pw.compile(NoAttention(), _cfg(splitting_ops=["piecewise_models::toy_attention"]), dynamic_arg_dims={"x": 0})
+    with pytest.warns(UserWarning, match="none of the splitting ops"):
+        with counters.expect(fallbacks=1, pieces_seen=1, pieces_compiled=1):
+            cm(torch.randn(3, 4))
+
+
+def test_torch_internal_module_gives_a_clear_error():
+    cm = pw.compile(torch.nn.Linear(4, 4), _cfg(), dynamic_arg_dims={"input": 0})
+    with pytest.raises(pw.CompileError, match="wrap"):
+        cm(torch.randn(3, 4))
+
+
+def test_unknown_split_op_name_warns():
+    cm = pw.compile(TwoSplitModel(), _cfg(splitting_ops=["piecewise_models::toy_attention", "nolib::nothing"]),
+                    dynamic_arg_dims={"x": 0})
+    with pytest.warns(UserWarning, match="nolib::nothing"):
+        cm(torch.randn(3, 8))
+
+
+def test_full_mode_is_one_piece():
+    model = TwoSplitModel()
+    cm = pw.compile(model, _cfg(mode="full"), dynamic_arg_dims={"x": 0})
+    with counters.expect(pieces_seen=1, pieces_compiled=1, fallbacks=0):
+        x = torch.randn(5, 8)
+        torch.testing.assert_close(cm(x), model(x))
+
+
+def test_mode_none_runs_eagerly():
+    model = TwoSplitModel()
+    cm = pw.compile(model, _cfg(mode="none"), dynamic_arg_dims={"x": 0})
+    with counters.expect(graphs_seen=0, dynamo_traces=0):
+        x = torch.randn(5, 8)
+        torch.testing.assert_close(cm(x), model(x))
+
+
+def test_forward_context_seen_by_splitting_op():
+    seen = []
+
+    @pw.splitting_op("pw_test_compile::peek", mutates_args=())
+    def peek(x: torch.Tensor) -> torch.Tensor:
+        ctx = pw.forward_context()
+        seen.append((ctx.num_tokens, ctx.padded_num_tokens, ctx.tag))
+        return x.clone()
+
+    @peek.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.pw_test_compile.peek(x + 1) * 2
+
+    cm = pw.compile(M(), _cfg(tag="peek"), dynamic_arg_dims={"x": 0})
+    cm(torch.randn(3, 2))
+    cm(torch.randn(5, 2))
+    assert seen[-2:] == [(3, 3, cm.tag), (5, 5, cm.tag)]
+    assert pw.forward_context() is None
+
+
+def test_non_tensor_argument_change_is_rejected():
+    class M(torch.nn.Module):
+        def forward(self, x, scale: float = 1.0):
+            return torch.ops.piecewise_models.toy_attention(x, x, x) * scale
+
+    cm = pw.compile(M(), _cfg(), dynamic_arg_dims={"x": 0})
+    cm(torch.randn(3, 4), 2.0)
+    with pytest.raises(pw.InputError, match="scale"):
+        cm(torch.randn(3, 4), 3.0)
+
+
+def test_debug_mode_detects_guard_that_would_fail():
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            if x.shape[0] > 8:  # frozen to the first trace without debug
+                return torch.ops.piecewise_models.toy_attention(x, x, x) + 1
+            return torch.ops.piecewise_models.toy_attention(x, x, x) - 1
+
+    cm = pw.compile(Branchy(), _cfg(debug=True), dynamic_arg_dims={"x": 0})
+    cm(torch.randn(4, 2))
+    cm(torch.randn(6, 2))
+    with pytest.raises(pw.GuardFailureError):
+        cm(torch.randn(12, 2))
+
+
+def test_torch_compile_backend_name_resolves_to_piecewise():
+    model = TwoSplitModel()
+    fn = torch.compile(model, backend="piecewise")
+    with counters.expect(graphs_seen=1, pieces_seen=5):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fn(x), model(x))
