@@ -91,9 +91,10 @@ class CompiledModel:
         self._forward_fn = fn
         self._params = [p for p in inspect.signature(fn).parameters.values()][1:]  # drop self
         names = [p.name for p in self._params]
+        takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in self._params)
         self._dynamic: dict[str, tuple[int, ...]] = {}
         for name, dims in dynamic_arg_dims.items():
-            if name not in names:
+            if name not in names and not takes_kwargs:
                 raise ConfigError(f"dynamic_arg_dims names {name!r}, which is not an argument of {type(module).__name__}.forward {names}")
             dims = (dims,) if isinstance(dims, int) else tuple(dims)
             self._dynamic[name] = dims
@@ -183,30 +184,34 @@ class CompiledModel:
 
     # -- input checks -------------------------------------------------------------------------
     def _record_specs(self, args: tuple, kwargs: dict) -> list[_ArgSpec]:
-        specs: list[_ArgSpec] = []
-        for i, p in enumerate(self._params):
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                raise ConfigError(f"piecewise.compile needs named forward arguments; {p.name!r} is *args/**kwargs")
+        named = [p for p in self._params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if len(args) > len(named):
+            raise InputError(f"[{self.tag}] {len(args)} positional arguments given; pass the extra ones by name")
+        slots: list[tuple[str, int | None, Any]] = []
+        for i, p in enumerate(named):
             if i < len(args):
-                v, pos = args[i], i
+                slots.append((p.name, i, args[i]))
             elif p.name in kwargs:
-                v, pos = kwargs[p.name], None
-            else:
-                continue  # default used: frozen into the trace, checked as absent
-            dims = self._dynamic.get(p.name, ())
+                slots.append((p.name, None, kwargs[p.name]))
+            # else: the default is frozen into the trace; passing it later fails the arity check
+        known = {p.name for p in named}
+        slots += [(k, None, v) for k, v in kwargs.items() if k not in known]  # through **kwargs
+        specs: list[_ArgSpec] = []
+        for name, pos, v in slots:
+            dims = self._dynamic.get(name, ())
             if isinstance(v, torch.Tensor):
                 for d in dims:
                     if d >= v.dim() or d < -v.dim():
-                        raise InputError(f"dynamic_arg_dims marks dim {d} of {p.name!r}, but it has rank {v.dim()}")
+                        raise InputError(f"dynamic_arg_dims marks dim {d} of {name!r}, but it has rank {v.dim()}")
                 dyn = {d % v.dim() for d in dims}
                 shape = tuple(None if d in dyn else s for d, s in enumerate(v.shape))
-                specs.append(_ArgSpec(p.name, pos, "tensor", v.dtype, v.device, shape))
+                specs.append(_ArgSpec(name, pos, "tensor", v.dtype, v.device, shape))
             elif dims:
-                raise InputError(f"dynamic_arg_dims marks {p.name!r}, which is a {type(v).__name__}, not a tensor")
+                raise InputError(f"dynamic_arg_dims marks {name!r}, which is a {type(v).__name__}, not a tensor")
             elif v is None:
-                specs.append(_ArgSpec(p.name, pos, "none"))
+                specs.append(_ArgSpec(name, pos, "none"))
             else:
-                specs.append(_ArgSpec(p.name, pos, "value", value=v))
+                specs.append(_ArgSpec(name, pos, "value", value=v))
         return specs
 
     def _check(self, args: tuple, kwargs: dict) -> None:
