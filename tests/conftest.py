@@ -39,6 +39,8 @@ def session_dir():
 
 
 @pytest.fixture(autouse=True)
-def _reset_dynamo():
+def _isolated(monkeypatch, tmp_path_factory):
+    """Each test: fresh Dynamo state and its own (empty) piecewise cache root."""
     torch._dynamo.reset()
+    monkeypatch.setenv("PIECEWISE_CACHE_DIR", str(tmp_path_factory.mktemp("pwcache")))
     yield

@@ -142,7 +142,7 @@ class CompiledModel:
                     for d, s in enumerate(spec.shape):
                         if s is None:
                             torch._dynamo.mark_dynamic(t, d)
-            self.backend = PiecewiseBackend(self.config, self.tag)
+            self.backend = PiecewiseBackend(self.config, self.tag, call_signature=[_describe_spec(s) for s in self._specs])
             t0 = time.perf_counter()
             out, code = self._trace(args, kwargs)
             total = time.perf_counter() - t0
@@ -267,6 +267,15 @@ class CompiledModel:
 
     def __repr__(self) -> str:
         return f"CompiledModel({type(self.module).__name__}, tag={self.tag!r}, mode={self.config.mode!r}, backend={self.config.backend!r})"
+
+
+def _describe_spec(spec: _ArgSpec) -> list[Any]:
+    """A JSON-ready description of one traced argument (enters the cache key)."""
+    if spec.kind == "tensor":
+        return [spec.name, "tensor", str(spec.dtype), spec.device.type, ["*" if s is None else s for s in spec.shape]]
+    if spec.kind == "value":
+        return [spec.name, "value", repr(spec.value)]
+    return [spec.name, spec.kind]
 
 
 def _fmt(shape: tuple[int | None, ...]) -> str:

@@ -8,7 +8,9 @@ counted and raised, never silently accepted.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import sys
 import time
 import warnings
@@ -19,6 +21,8 @@ import torch
 import torch.fx
 from torch._dispatch.python import enable_python_dispatcher
 
+from .cache.key import KEY_FORMAT, compute_key, diff_factors, env_factors, input_signature, source_factors
+from .cache.store import CacheEntry, resolve_root
 from .compilers import CompiledPiece, CompilerAdaptor, get_adaptor
 from .compilers.base import CompileTarget
 from .compilers.inductor import dispatch_symbol
@@ -81,9 +85,12 @@ class PiecewiseBackend:
     graph).
     """
 
-    def __init__(self, config: CompilationConfig, tag: str) -> None:
+    def __init__(self, config: CompilationConfig, tag: str, call_signature: Sequence[Any] | None = None) -> None:
         self.config = config
         self.tag = tag
+        self.call_signature = list(call_signature or [])
+        self.cache: CacheEntry | None = None
+        self.factors: dict[str, Any] = {}
         self.adaptor: CompilerAdaptor = get_adaptor(config.backend, config)
         self.split_ops = resolve_splitting_ops(config.splitting_ops) if config.mode == "piecewise" else ()
         self.compiled: StitchedForward | None = None
@@ -105,19 +112,63 @@ class PiecewiseBackend:
             )
         counters.bump("graphs_seen", tag=self.tag)
         self.traced_files = traced_source_files()
+        graph_hash = hashlib.sha256(gm.code.encode()).hexdigest()  # before splitting rewrites the graph
         t0 = time.perf_counter()
         self.split = self._split(gm)
         self.timings["split"] = time.perf_counter() - t0
+        self.timings["cache_load"] = 0.0
+        self.cache = self._open_cache(graph_hash, list(example_inputs))
         t0 = time.perf_counter()
         self.compiled = self._compile(self.split, list(example_inputs))
-        self.timings["compile"] = time.perf_counter() - t0
+        self.timings["compile"] = time.perf_counter() - t0 - self.timings["cache_load"]
         self.graph_code = render_split_graph(self.split)
+        if self.cache is not None:
+            self.cache.commit(self._cache_meta, self.factors, self.graph_code)
         log.info(
             "[%s] %d pieces (%d compiled, %d distinct) split in %.3fs, compiled in %.3fs with %s",
             self.tag, len(self.split.items), len(self.runners), len({r.fingerprint for r in self.runners}),
             self.timings["split"], self.timings["compile"], self.adaptor.name,
         )
         return self.compiled
+
+    def key_factors(self, graph_hash: str, example_inputs: Sequence[Any]) -> dict[str, Any]:
+        """Every factor of the cache key, raw (SPEC §5.2)."""
+        from . import __version__
+
+        return {
+            "key_format": KEY_FORMAT,
+            "piecewise": __version__,
+            "torch": torch.__version__,
+            "env": env_factors(),
+            "config": self.config.code_factors(),
+            "compiler": {"name": self.adaptor.name, "hash": self.adaptor.compute_hash()},
+            "splitting_ops": sorted(self.split_ops),
+            "sources": source_factors(self.traced_files),
+            "inputs": input_signature(example_inputs, self.call_signature),
+            "graph": graph_hash,
+        }
+
+    def _open_cache(self, graph_hash: str, example_inputs: Sequence[Any]) -> CacheEntry | None:
+        self.factors = self.key_factors(graph_hash, example_inputs)
+        root = resolve_root(self.config.cache_dir)
+        if root is None:
+            return None
+        key = compute_key(self.factors)
+        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+        entry = CacheEntry(root, key, self.tag, rank=rank)
+        self._cache_meta = {
+            "num_pieces": len(self.split.items),
+            "num_compiled": len(self.split.items) - self.split.num_splitting,
+            "adaptor": self.adaptor.name,
+            "compile_targets": [e.target.key for e in EntryTable(self.config, dynamic=any(isinstance(x, torch.SymInt) for x in example_inputs)).entries],
+        }
+        if entry.open(self._cache_meta):
+            counters.bump("cache_hits", tag=self.tag)
+            log.info("[%s] compile cache hit: %s", self.tag, entry.path)
+        else:
+            counters.bump("cache_misses", tag=self.tag)
+            explain_miss(root, self.tag, self.factors, entry.path)
+        return entry
 
     def _split(self, gm: torch.fx.GraphModule) -> SplitResult:
         for name in self.split_ops:
@@ -185,11 +236,17 @@ class PiecewiseBackend:
         """Compile one distinct piece for every entry; returns the callables in entry order."""
         out: list[Callable[..., Any]] = []
         shared: CompiledPiece | None = None
+        fingerprint = piece_fingerprint(graph, args)
         for entry in table.entries:
             if shared is not None and not self.adaptor.specializes_sizes:
                 out.append(shared.fn)
                 continue
             target = CompileTarget(entry.target.compile_range, entry.target.size, symbol)
+            name = f"{fingerprint[:32]}.{target.key}"
+            loaded = self._load_artifact(name, graph)
+            if loaded is not None:
+                out.append(loaded)
+                continue
             t0 = time.perf_counter()
             try:
                 piece = self.adaptor.compile(graph, args, target)
@@ -202,9 +259,31 @@ class PiecewiseBackend:
                 continue
             counters.bump("compiler_invocations", tag=self.tag)
             log.debug("[%s] compiled a piece for %s in %.3fs", self.tag, target.label, time.perf_counter() - t0)
+            if self.cache is not None and piece.payload is not None:
+                self.cache.save_artifact(name, piece.payload)
+                counters.bump("artifacts_saved", tag=self.tag)
             shared = shared or piece
             out.append(piece.fn)
         return out
+
+    def _load_artifact(self, name: str, graph: torch.fx.GraphModule) -> Callable[..., Any] | None:
+        """A callable loaded from the cache, or None (not cached, or bad: reported and moved aside)."""
+        if self.cache is None or not self.adaptor.saves_artifacts:
+            return None
+        t0 = time.perf_counter()
+        try:
+            payload = self.cache.load_artifact(name)
+            if payload is None:
+                return None
+            try:
+                fn = self.adaptor.load(payload, graph)
+            except Exception as e:  # a verified artifact this torch cannot load: never crash the model
+                self.cache.reject_artifact(name, f"artifact failed to load ({type(e).__name__}: {e})")
+                return None
+            counters.bump("cache_loads", tag=self.tag)
+            return fn
+        finally:
+            self.timings["cache_load"] += time.perf_counter() - t0
 
 
 def _symbolic_entry_for(table: EntryTable, size: int) -> int:
@@ -214,6 +293,31 @@ def _symbolic_entry_for(table: EntryTable, size: int) -> int:
         if e.kind is EntryKind.GENERAL or (e.kind is EntryKind.RANGE and size in r):
             return i
     return 0
+
+
+def explain_miss(root: str, tag: str, factors: dict[str, Any], path: str) -> None:
+    """Log which key factors differ from the newest existing entry of the same tag, if any."""
+    import glob
+    import json
+
+    newest, best = None, -1.0
+    for f in glob.glob(os.path.join(glob.escape(root), "*", "rank_*", glob.escape(tag), "cache_key_factors.json")):
+        try:
+            m = os.path.getmtime(f)
+        except OSError:
+            continue
+        if m > best and not f.startswith(path + os.sep):
+            newest, best = f, m
+    if newest is None:
+        log.info("[%s] compile cache miss: no entry for this tag under %s", tag, root)
+        return
+    try:
+        with open(newest) as fh:
+            old = json.load(fh)
+    except (OSError, ValueError):
+        return
+    log.info("[%s] compile cache miss: differs from %s in %s", tag, os.path.dirname(newest),
+             ", ".join(diff_factors(old, factors)) or "nothing recorded (a format change)")
 
 
 def render_split_graph(split: SplitResult) -> str:

@@ -74,7 +74,16 @@ class InductorAdaptor(CompilerAdaptor):
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
 
-        return AOTCompiledArtifact.deserialize(payload)
+        fn = AOTCompiledArtifact.deserialize(payload)
+        # A loaded artifact returns its outputs as a list; the piece's graph may return one value.
+        if _returns_single_value(graph):
+            return lambda *args: fn(*args)[0]
+        return fn
+
+
+def _returns_single_value(graph: torch.fx.GraphModule) -> bool:
+    out = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
+    return not isinstance(out.args[0], (tuple, list))
 
 
 def _static_inputs(example_inputs: Sequence[Any], size: int, symbol: Any = None) -> tuple[list[Any], Any]:

@@ -1,0 +1,110 @@
+"""Cache key factors (SPEC §5.2): everything that can change the compiled code, and nothing else.
+
+Factors are kept raw (JSON) next to each entry, so a miss can be explained factor by factor
+(`diff_factors`). Excluded on purpose: host names, ports, PIDs, paths, credentials, the cache root
+and cosmetic config fields (tag, cache_dir, debug) - a cache must survive being moved or baked into
+an image, and must hit on every replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["ENV_ALLOWLIST", "env_factors", "source_factors", "input_signature", "compute_key", "diff_factors", "KEY_FORMAT"]
+
+#: Bump when the meaning of factors or the entry layout changes: old entries then miss.
+KEY_FORMAT = 1
+
+#: Environment variables that change generated code. Inductor reads most of its TORCHINDUCTOR_*
+#: flags into its config (already in the compiler hash); listing them here too makes a miss on
+#: them explainable by name.
+ENV_ALLOWLIST: tuple[str, ...] = (
+    "TORCHINDUCTOR_MAX_AUTOTUNE",
+    "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM",
+    "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE",
+    "TORCHINDUCTOR_FREEZING",
+    "TORCHINDUCTOR_CPP_WRAPPER",
+    "TORCHINDUCTOR_LAYOUT_OPTIMIZATION",
+    "TORCHINDUCTOR_FALLBACK_RANDOM",
+    "TORCHINDUCTOR_COMBO_KERNELS",
+    "TORCHINDUCTOR_CPP_MAX_HORIZONTAL_FUSION_SIZE",
+    "TORCHINDUCTOR_SIMD_LEN",
+    "ATEN_CPU_CAPABILITY",
+    "TORCH_CUDA_ARCH_LIST",
+    "PIECEWISE_KEY_SALT",  # a user's explicit "invalidate everything" knob
+)
+
+
+def env_factors(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in ENV_ALLOWLIST if k in env}
+
+
+def _is_virtual(filename: str) -> bool:
+    return filename.startswith("<") or not os.path.isfile(filename)
+
+
+def source_factors(filenames: Iterable[str]) -> dict[str, str]:
+    """``{basename#short-path-hash: sha256 of content}`` for every real traced file.
+
+    Virtual files (``<string>``, ``<frozen ...>``, FX's ``<eval_with_key>``) are skipped. The key
+    uses the file's content and base name, not its absolute path, so the same code checked out
+    elsewhere still hits."""
+    out: dict[str, str] = {}
+    for fn in sorted(set(filenames)):
+        if _is_virtual(fn):
+            continue
+        try:
+            with open(fn, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            continue
+        name = os.path.basename(fn)
+        # two traced files may share a base name (__init__.py): keep both, ordered by content
+        while name in out:
+            name += "+"
+        out[name] = digest
+    return dict(sorted(out.items()))
+
+
+def _describe(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        shape = ["*" if isinstance(s, torch.SymInt) else int(s) for s in x.shape]
+        return {"dtype": str(x.dtype), "device": x.device.type, "shape": shape}
+    if isinstance(x, torch.SymInt):
+        return "symint"
+    if x is None:
+        return None
+    return type(x).__name__
+
+
+def input_signature(example_inputs: Sequence[Any], call_signature: Sequence[Any] | None = None) -> dict[str, Any]:
+    """Ranks, dtypes, devices and static dims of the graph inputs, plus (from `pw.compile`) which
+    call arguments were tensors, None or fixed values."""
+    return {"graph_inputs": [_describe(x) for x in example_inputs], "call": list(call_signature or [])}
+
+
+def compute_key(factors: Mapping[str, Any]) -> str:
+    """A 20-hex-digit key: sha256 of the canonical JSON of `factors`."""
+    blob = json.dumps(factors, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def diff_factors(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the factors that differ between `a` and `b` (recursing into mappings)."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        name = f"{prefix}{k}"
+        if k not in a or k not in b:
+            out.append(f"{name} (only in {'second' if k not in a else 'first'})")
+        elif isinstance(a[k], Mapping) and isinstance(b[k], Mapping):
+            out += diff_factors(a[k], b[k], name + ".")
+        elif a[k] != b[k]:
+            out.append(name)
+    return out

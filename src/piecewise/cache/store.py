@@ -1,0 +1,342 @@
+"""The on-disk compile cache (SPEC §5.1, §5.3, §5.4).
+
+Layout, every path inside relative to the root so a cache can be moved or baked into an image::
+
+    <root>/<key>/rank_<r>_<dp>/<tag>/
+        index.json               # written last; JSON data only, with a format version
+        cache_key_factors.json   # every raw factor, to explain a miss
+        computation_graph.py     # the readable split graph
+        artifacts/<piece fingerprint>.<target>.bin
+        quarantine/              # bad files moved aside, never read again
+
+Rules: every write is temp file + fsync + atomic rename; writers of one entry are serialised by a
+`filelock.FileLock`, readers never lock; each artifact's sha256 is checked before it is loaded; a
+bad file is reported once, moved aside and recompiled; an unwritable root or a full disk degrades
+to in-memory compilation with one warning; a directory writable by other users (or owned by
+another user) is neither read nor written, because loading an artifact executes its code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import stat
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import filelock
+
+from .key import KEY_FORMAT
+
+__all__ = ["INDEX_FORMAT", "resolve_root", "atomic_write", "CacheEntry", "check_permissions", "read_index", "IndexError_"]
+
+log = logging.getLogger("piecewise")
+
+INDEX_FORMAT = 1
+INDEX, FACTORS, GRAPH, ARTIFACTS, QUARANTINE, LOCK = (
+    "index.json", "cache_key_factors.json", "computation_graph.py", "artifacts", "quarantine", ".lock",
+)
+_DISABLE_VALUES = ("1", "true", "yes", "on")
+
+_reported: set[str] = set()
+_reported_lock = threading.Lock()
+
+
+def report_once(key: str, message: str) -> bool:
+    """Warn with `message` once per process per `key`; returns whether it warned."""
+    with _reported_lock:
+        if key in _reported:
+            return False
+        _reported.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    log.warning(message)
+    return True
+
+
+def resolve_root(cache_dir: str | None) -> str | None:
+    """The cache root: None when ``PIECEWISE_DISABLE_CACHE`` is set, else `cache_dir`, else
+    ``PIECEWISE_CACHE_DIR``, else the platform's user cache dir (`platformdirs`)."""
+    if os.environ.get("PIECEWISE_DISABLE_CACHE", "").strip().lower() in _DISABLE_VALUES:
+        return None
+    if cache_dir:
+        return os.path.abspath(os.path.expanduser(cache_dir))
+    env = os.environ.get("PIECEWISE_CACHE_DIR")
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    from platformdirs import user_cache_dir
+
+    return user_cache_dir("piecewise")
+
+
+def _makedirs(path: str) -> None:
+    """Create `path` and missing parents as 0o755, whatever the umask (a group-writable dir would
+    be refused at load)."""
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o755)
+            os.chmod(d, 0o755)
+        except FileExistsError:
+            pass
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write `data` to `path` with temp file + fsync + rename (+ fsync of the directory).
+
+    Raises:
+        OSError: the write failed (unwritable, disk full); no partial file is left at `path`.
+    """
+    d = os.path.dirname(path)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def check_permissions(root: str, path: str) -> str | None:
+    """Why loading from `path` (under `root`) is unsafe, or None when it is safe.
+
+    Unsafe: `root` or a directory between it and `path` (or `path` itself) is writable by group or
+    others, or owned by a user other than us or root. Missing components are fine (nothing to load).
+    """
+    me = os.getuid() if hasattr(os, "getuid") else None
+    rel = os.path.relpath(path, root)
+    parts = [] if rel == "." else rel.split(os.sep)
+    p = root
+    for component in [None, *parts]:
+        if component is not None:
+            p = os.path.join(p, component)
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return f"cannot stat {p}: {e}"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"{p} is writable by other users (mode {stat.filemode(st.st_mode)})"
+        if me is not None and st.st_uid not in (me, 0):
+            return f"{p} is owned by uid {st.st_uid}, not by this user"
+    return None
+
+
+class IndexError_(Exception):
+    """An index that is not a valid piecewise index (corrupt, truncated, wrong format)."""
+
+
+def read_index(path: str) -> dict[str, Any]:
+    """Parse and validate an index file as data only (JSON; never eval/pickle).
+
+    Raises:
+        FileNotFoundError: no index.
+        IndexError_: anything else wrong with it.
+    """
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        idx = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IndexError_(f"not valid JSON ({e})") from None
+    if not isinstance(idx, dict) or idx.get("format") != INDEX_FORMAT or idx.get("key_format") != KEY_FORMAT:
+        raise IndexError_(f"unknown index format {idx.get('format') if isinstance(idx, dict) else type(idx).__name__}")
+    arts = idx.get("artifacts")
+    if not isinstance(arts, dict) or not isinstance(idx.get("meta"), dict) or not isinstance(idx.get("key"), str):
+        raise IndexError_("missing fields")
+    for name, rec in arts.items():
+        if not (isinstance(rec, dict) and isinstance(rec.get("file"), str) and isinstance(rec.get("sha256"), str)
+                and isinstance(rec.get("bytes"), int)):
+            raise IndexError_(f"bad artifact record {name!r}")
+        if os.path.isabs(rec["file"]) or ".." in rec["file"].split("/"):
+            raise IndexError_(f"artifact path {rec['file']!r} escapes the cache root")
+    return idx
+
+
+class CacheEntry:
+    """One ``<key>/rank_<r>_<dp>/<tag>`` directory, as one backend uses it.
+
+    `open` reads the index (if any) and decides whether the entry may be read and written;
+    `load_artifact` / `save_artifact` move payload bytes; `commit` writes factors, graph dump and
+    the merged index, in that order. Every failure degrades (miss, or in-memory only); nothing here
+    raises into the model.
+    """
+
+    def __init__(self, root: str, key: str, tag: str, rank: int = 0, dp_rank: int = 0) -> None:
+        self.root = root
+        self.key = key
+        self.tag = tag
+        self.rel = "/".join((key, f"rank_{rank}_{dp_rank}", tag))
+        self.path = os.path.join(root, *self.rel.split("/"))
+        self.readable = True
+        self.writable = True
+        self.index: dict[str, Any] | None = None
+        self.saved: dict[str, dict[str, Any]] = {}
+
+    # -- reading ------------------------------------------------------------------------------
+    def open(self, meta: Mapping[str, Any]) -> bool:
+        """Check permissions and read the index; True when a matching index exists (a hit)."""
+        unsafe = check_permissions(self.root, self.path)
+        if unsafe:
+            self.readable = self.writable = False
+            report_once(f"unsafe:{self.path}", f"piecewise cache: not loading or writing {self.path}: {unsafe}; "
+                        "compiling in memory. Fix the permissions (chmod go-w) or choose another cache_dir")
+            return False
+        try:
+            idx = read_index(os.path.join(self.path, INDEX))
+        except FileNotFoundError:
+            return False
+        except IndexError_ as e:
+            self._bad(INDEX, f"index is unusable ({e})")
+            return False
+        except OSError as e:
+            report_once(f"read:{self.path}", f"piecewise cache: cannot read {self.path} ({e}); compiling")
+            return False
+        if idx["key"] != self.key or idx.get("meta") != json.loads(json.dumps(dict(meta), default=str)):
+            log.info("[%s] cache entry %s was built for another graph (piece count or signature differ); recompiling",
+                     self.tag, self.rel)
+            return False
+        self.index = idx
+        return True
+
+    def load_artifact(self, name: str) -> bytes | None:
+        """The verified bytes of artifact `name`, or None (missing, or bad: reported and moved aside)."""
+        if not self.readable or self.index is None:
+            return None
+        rec = self.index["artifacts"].get(name)
+        if rec is None:
+            return None
+        path = os.path.join(self.root, *rec["file"].split("/"))
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                self._bad(rec["file"], "artifact is not a private regular file")
+                return None
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            log.warning("[%s] cache artifact %s is missing; recompiling that piece", self.tag, rec["file"])
+            return None
+        except OSError as e:
+            report_once(f"read:{path}", f"piecewise cache: cannot read {path} ({e}); recompiling that piece")
+            return None
+        if len(data) != rec["bytes"] or hashlib.sha256(data).hexdigest() != rec["sha256"]:
+            self._bad(rec["file"], f"artifact checksum mismatch ({len(data)} bytes, index says {rec['bytes']})")
+            return None
+        return data
+
+    def reject_artifact(self, name: str, why: str) -> None:
+        """An artifact that verified but failed to load: report it and move it aside."""
+        rec = (self.index or {}).get("artifacts", {}).get(name)
+        if rec is not None:
+            self._bad(rec["file"], why)
+
+    def _bad(self, rel_file: str, why: str) -> None:
+        """Report a bad file once and move it into the entry's quarantine dir."""
+        from ..counters import counters
+
+        counters.bump("cache_errors", tag=self.tag)
+        src = os.path.join(self.path, rel_file) if not rel_file.startswith(self.rel) else os.path.join(self.root, *rel_file.split("/"))
+        report_once(f"bad:{src}", f"piecewise cache: {why}: {src}; moved aside and recompiling")
+        if not self.writable:
+            return
+        try:
+            qdir = os.path.join(self.path, QUARANTINE)
+            _makedirs(qdir)
+            os.replace(src, os.path.join(qdir, f"{os.path.basename(src)}.{int(time.time())}.{os.getpid()}"))
+        except OSError:
+            pass  # another process moved it first, or read-only: the index rewrite drops it anyway
+
+    # -- writing ------------------------------------------------------------------------------
+    def _disable_writes(self, e: OSError) -> None:
+        self.writable = False
+        report_once(f"write:{self.root}", f"piecewise cache: cannot write under {self.root} ({e.strerror or e}); "
+                    "compiling in memory without saving")
+
+    def _lock(self) -> filelock.FileLock:
+        return filelock.FileLock(os.path.join(self.path, LOCK), mode=0o644)
+
+    def save_artifact(self, name: str, payload: bytes) -> None:
+        if not self.writable:
+            return
+        rel = f"{self.rel}/{ARTIFACTS}/{name}.bin"
+        try:
+            _makedirs(os.path.join(self.path, ARTIFACTS))
+            # Content-addressed name: a racing writer with the same piece writes the same bytes,
+            # so whichever rename lands last is correct.
+            atomic_write(os.path.join(self.root, *rel.split("/")), payload)
+        except OSError as e:
+            self._disable_writes(e)
+            return
+        self.saved[name] = {"file": rel, "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+
+    def commit(self, meta: Mapping[str, Any], factors: Mapping[str, Any], graph_code: str) -> None:
+        """Write the factors, the graph dump and then the index (merged with what other writers
+        recorded meanwhile) under the entry lock."""
+        if not self.writable:
+            return
+        try:
+            _makedirs(self.path)
+            with self._lock():
+                atomic_write(os.path.join(self.path, FACTORS), json.dumps(factors, indent=1, sort_keys=True, default=str).encode())
+                atomic_write(os.path.join(self.path, GRAPH), graph_code.encode())
+                merged: dict[str, Any] = {}
+                try:
+                    old = read_index(os.path.join(self.path, INDEX))
+                    if old["key"] == self.key and old["meta"] == json.loads(json.dumps(dict(meta), default=str)):
+                        merged.update(old["artifacts"])
+                except (OSError, IndexError_):
+                    pass
+                if self.index is not None:
+                    merged.update(self.index["artifacts"])
+                merged.update(self.saved)
+                # drop records whose files are gone (moved aside, deleted)
+                merged = {k: v for k, v in merged.items() if os.path.isfile(os.path.join(self.root, *v["file"].split("/")))}
+                idx = {"format": INDEX_FORMAT, "key_format": KEY_FORMAT, "key": self.key, "tag": self.tag,
+                       "meta": dict(meta), "created": time.time(), "artifacts": dict(sorted(merged.items()))}
+                atomic_write(os.path.join(self.path, INDEX), json.dumps(idx, indent=1, default=str).encode())
+        except OSError as e:
+            self._disable_writes(e)
+        except filelock.Timeout as e:  # pragma: no cover - FileLock has no timeout by default
+            log.warning("[%s] cache lock timed out (%s); entry index not updated", self.tag, e)
+
+
+def remove_tree(path: str) -> None:
+    """Remove a directory: rename it aside first (atomic), then delete, so a reader never sees a
+    half-deleted entry."""
+    trash = f"{path}.deleting.{os.getpid()}.{secrets.token_hex(3)}"
+    try:
+        os.replace(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
