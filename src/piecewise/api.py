@@ -28,6 +28,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,7 +48,9 @@ _tags_used: set[str] = set()
 
 
 def unique_tag(base: str) -> str:
-    """`base`, or `base_<k>` with the smallest k making it unique in this process."""
+    """`base`, or `base_<k>` with the smallest k making it unique among the live compiled regions
+    of this process (a tag is released when its model is garbage collected), so a program that
+    compiles its models in the same order gets the same tags - and cache entries - every run."""
     with _tags_lock:
         tag, k = base, 1
         while tag in _tags_used:
@@ -55,6 +58,11 @@ def unique_tag(base: str) -> str:
             k += 1
         _tags_used.add(tag)
         return tag
+
+
+def release_tag(tag: str) -> None:
+    with _tags_lock:
+        _tags_used.discard(tag)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +93,7 @@ class CompiledModel:
         self.module = module
         self.config = config
         self.tag = unique_tag(config.tag or type(module).__name__)
+        weakref.finalize(self, release_tag, self.tag)
         self.backend: PiecewiseBackend | None = None
         self.timings: dict[str, float] = {}
         fn = type(module).forward

@@ -117,12 +117,13 @@ class PiecewiseBackend:
         self.split = self._split(gm)
         self.timings["split"] = time.perf_counter() - t0
         self.timings["cache_load"] = 0.0
-        self.cache = self._open_cache(graph_hash, list(example_inputs))
+        fake_mode, fake_inputs = _fake_inputs(example_inputs)
+        self.cache = self._open_cache(graph_hash, fake_inputs)
         t0 = time.perf_counter()
-        self.compiled = self._compile(self.split, list(example_inputs))
+        self.compiled = self._compile(self.split, fake_mode, fake_inputs)
         self.timings["compile"] = time.perf_counter() - t0 - self.timings["cache_load"]
         self.graph_code = render_split_graph(self.split)
-        if self.cache is not None:
+        if self.cache is not None and (self.cache.saved or self.cache.index is None):
             self.cache.commit(self._cache_meta, self.factors, self.graph_code)
         log.info(
             "[%s] %d pieces (%d compiled, %d distinct) split in %.3fs, compiled in %.3fs with %s",
@@ -188,7 +189,7 @@ class PiecewiseBackend:
         counters.bump("pieces_compiled", len(result.items) - n_split, tag=self.tag)
         return result
 
-    def _compile(self, split: SplitResult, example_inputs: list[Any]) -> StitchedForward:
+    def _compile(self, split: SplitResult, fake_mode: Any, fake_inputs: list[Any]) -> StitchedForward:
         table: EntryTable
         symbol: Any = None
         state = DispatchState()
@@ -211,11 +212,6 @@ class PiecewiseBackend:
                     progress.update(1)
                 return super().call_module(target, args, kwargs)
 
-        # Dynamo hands real tensors for user inputs; its fake mode memoises their symbolic fakes.
-        fake_mode = torch._guards.detect_fake_mode(example_inputs)
-        if fake_mode is None:
-            fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
-        fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
         sym_index = next((i for i, x in enumerate(fake_inputs) if isinstance(x, torch.SymInt)), None)
         symbol = dispatch_symbol(fake_inputs) if sym_index is not None else None
         self.table = table = EntryTable(self.config, dynamic=sym_index is not None)
@@ -284,6 +280,14 @@ class PiecewiseBackend:
             return fn
         finally:
             self.timings["cache_load"] += time.perf_counter() - t0
+
+
+def _fake_inputs(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """Dynamo hands real tensors for user inputs; its fake mode memoises their symbolic fakes."""
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+    return fake_mode, [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
 
 def _symbolic_entry_for(table: EntryTable, size: int) -> int:

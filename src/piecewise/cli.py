@@ -1,4 +1,6 @@
-"""The ``piecewise`` command line: ``piecewise demo``."""
+"""The ``piecewise`` command line: ``demo`` and ``cache ls | show | verify | explain | clear |
+export | import``. Exit status 0 on success, 1 when ``verify`` finds a problem or the demo's outputs
+differ from eager, 2 on usage errors."""
 
 from __future__ import annotations
 
@@ -15,6 +17,82 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(layers=args.layers, minilm=not args.no_minilm)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, run_bench
+    from .bench.suite import to_markdown
+
+    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    cfg = BenchConfig(layers=ints(args.layers), steady_layers=args.steady_layers, batches=ints(args.batches),
+                      steps=args.steps, sizes=args.sizes, out_dir=args.out)
+    print(to_markdown(run_bench(cfg)))
+    return 0
+
+
+def _root(args: argparse.Namespace) -> str:
+    from .cache.store import resolve_root
+
+    root = args.root or resolve_root(None)
+    if root is None:
+        raise SystemExit("the compile cache is disabled (PIECEWISE_DISABLE_CACHE); pass --root DIR")
+    return root
+
+
+def _cache(args: argparse.Namespace) -> int:
+    import datetime
+    import json
+
+    from .cache import tools
+
+    root = _root(args)
+    cmd = args.cache_command
+    if cmd == "ls":
+        entries = tools.list_entries(root)
+        print(f"{root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
+        for e in entries:
+            when = datetime.datetime.fromtimestamp(e.created).isoformat(timespec="seconds") if e.created else "-"
+            state = "ok" if e.valid else e.problem
+            print(f"  {e.rel}  {e.artifacts} artifacts  {e.bytes / 1e6:.2f} MB  {when}  {state}")
+        return 0
+    if cmd == "show":
+        e = tools.find_entry(root, args.entry)
+        print(f"entry {e.rel}\npath  {e.path}\nartifacts {e.artifacts} ({e.bytes} bytes), {'valid' if e.valid else e.problem}")
+        with open(f"{e.path}/cache_key_factors.json") as f:
+            print("factors:", json.dumps(json.load(f), indent=1, sort_keys=True))
+        return 0
+    if cmd == "verify":
+        problems, notes = tools.verify(root)
+        for n in notes:
+            print("note:", n)
+        for p in problems:
+            print("PROBLEM:", p)
+        print(f"{root}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
+        return 1 if problems else 0
+    if cmd == "explain":
+        a, b, diff = tools.explain(root, args.a, args.b)
+        if not diff:
+            print(f"{a} and {b} have the same key factors")
+        else:
+            print(f"{a} and {b} differ in:")
+            for d in diff:
+                print(f"  {d}")
+        return 0
+    if cmd == "clear":
+        n = tools.clear(root, args.key)
+        print(f"removed {n} entr{'y' if n == 1 else 'ies'} from {root}")
+        return 0
+    if cmd == "export":
+        n = tools.export_archive(root, args.archive, args.key)
+        print(f"exported {n} entr{'y' if n == 1 else 'ies'} to {args.archive}")
+        return 0
+    if cmd == "import":
+        n, warns = tools.import_archive(root, args.archive)
+        for w in warns:
+            print("warning:", w)
+        print(f"imported {n} entr{'y' if n == 1 else 'ies'} into {root}")
+        return 0
+    raise AssertionError(cmd)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="piecewise", description="piecewise compilation tools")
     p.add_argument("-v", "--verbose", action="store_true", help="log compile phases (logger 'piecewise')")
@@ -23,13 +101,45 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", type=int, default=2, help="decoder layers of the demo models (default 2)")
     d.add_argument("--no-minilm", action="store_true", help="skip the pretrained MiniLM sentence-embedding part")
     d.set_defaults(func=_demo)
+
+    b = sub.add_parser("bench", help="benchmark eager, torch.compile and piecewise side by side (minutes)")
+    b.add_argument("--layers", default="2,8,32", help="layer counts for cold/warm start (default 2,8,32)")
+    b.add_argument("--steady-layers", type=int, default=8, help="layers for the steady-state runs")
+    b.add_argument("--batches", default="1,8,64")
+    b.add_argument("--steps", type=int, default=200)
+    b.add_argument("--sizes", type=int, default=64, help="distinct sizes run to count recompiles")
+    b.add_argument("--out", default=None, help="directory for JSON and Markdown results")
+    b.set_defaults(func=_bench)
+
+    c = sub.add_parser("cache", help="inspect and maintain the compile cache")
+    c.add_argument("--root", help="cache root (default: PIECEWISE_CACHE_DIR or the user cache dir)")
+    cs = c.add_subparsers(dest="cache_command", required=True)
+    cs.add_parser("ls", help="list entries")
+    sh = cs.add_parser("show", help="one entry's artifacts and key factors")
+    sh.add_argument("entry", help="key, key prefix, key/tag, key/rank_r_d/tag or a path")
+    cs.add_parser("verify", help="check every index and artifact checksum; exit 1 on a problem")
+    ex = cs.add_parser("explain", help="which key factor differs between two entries (or cache_key_factors.json files)")
+    ex.add_argument("a")
+    ex.add_argument("b")
+    cl = cs.add_parser("clear", help="remove entries (safe while another process compiles)")
+    cl.add_argument("--key", help="only entries whose key starts with this")
+    xp = cs.add_parser("export", help="write entries to one .tar.gz with a manifest of their factors")
+    xp.add_argument("archive")
+    xp.add_argument("--key", help="only entries whose key starts with this")
+    im = cs.add_parser("import", help="unpack an exported archive; warns about factors that differ here")
+    im.add_argument("archive")
+    c.set_defaults(func=_cache)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s %(levelname)s %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (LookupError, ValueError, OSError) as e:
+        print(f"piecewise: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ class Row:
     step_ms: dict[int, float]
     equal: bool
     recompiles: int
-    note: str = ""
+    cache: str = "-"
 
 
 def _medians_ms(sizes: Sequence[int], seconds: Sequence[float]) -> dict[int, float]:
@@ -53,6 +53,13 @@ def _medians_ms(sizes: Sequence[int], seconds: Sequence[float]) -> dict[int, flo
     for n, s in zip(sizes, seconds):
         by[n].append(s * 1e3)
     return {n: statistics.median(v) for n, v in sorted(by.items())}
+
+
+def _cache_state(cm) -> str:
+    t = counters.by_tag[cm.tag]
+    if t.cache_hits:
+        return f"warm ({t.cache_loads} loaded)"
+    return "cold" if t.cache_misses else "off"
 
 
 def _after_warmup(run: Callable[[], Any]) -> tuple[Any, int]:
@@ -87,7 +94,8 @@ def _reference_decoder(modes, layers: int) -> list[Row]:
         first = decode(cm, model)
         out, rec = _after_warmup(lambda: decode(cm, model))
         rows.append(Row(rows[0].model, f"{mode}/{backend}", cm.timings.get("first_call", 0.0),
-                        _medians_ms(out.step_sizes, out.step_seconds), out.tokens == ref.tokens == first.tokens, rec))
+                        _medians_ms(out.step_sizes, out.step_seconds), out.tokens == ref.tokens == first.tokens, rec,
+                        _cache_state(cm)))
     return rows
 
 
@@ -121,7 +129,7 @@ def _transformers_llama(modes, layers: int) -> list[Row]:
         first, _, _ = _hf_greedy(cm, prompt, new)
         (toks, sizes, secs), rec = _after_warmup(lambda: _hf_greedy(cm, prompt, new))
         rows.append(Row(name, f"{mode}/{backend}", cm.timings.get("first_call", 0.0), _medians_ms(sizes, secs),
-                        toks == ref == first, rec))
+                        toks == ref == first, rec, _cache_state(cm)))
     return rows
 
 
@@ -129,6 +137,9 @@ def _minilm(out: TextIO, cache_root: str) -> tuple[list[Row], bool]:
     from .models import hf
 
     hf.register_hf_attention()
+    import transformers
+
+    transformers.logging.disable_progress_bar()
     model, tok = hf.load_minilm(os.path.join(cache_root, "models"))
     sentences = list(hf.SENTENCES)
 
@@ -158,18 +169,18 @@ def _minilm(out: TextIO, cache_root: str) -> tuple[list[Row], bool]:
     out.write(f"\nmin cosine(piecewise embedding, eager embedding) = {cos.min().item():.6f} (need >= 0.9999)\n")
     name = "all-MiniLM-L6-v2 (6 layers)"
     rows = [Row(name, "eager", 0.0, ref_ms, True, 0),
-            Row(name, "piecewise/inductor", cm.timings.get("first_call", 0.0), ms, ok, rec)]
+            Row(name, "piecewise/inductor", cm.timings.get("first_call", 0.0), ms, ok, rec, _cache_state(cm))]
     return rows, ok
 
 
 def _print_rows(out: TextIO, rows: list[Row]) -> None:
     sizes = sorted({n for r in rows for n in r.step_ms})
     out.write(f"\n## {rows[0].model}: {len(sizes)} distinct sizes {sizes}\n\n")
-    out.write("| mode | compile s | median step ms (all sizes) | min..max per-size median ms | equals eager | recompiles after warm-up |\n")
-    out.write("|---|---:|---:|---|---|---:|\n")
+    out.write("| mode | compile s | cache | median step ms (all sizes) | min..max per-size median ms | equals eager | recompiles after warm-up |\n")
+    out.write("|---|---:|---|---:|---|---|---:|\n")
     for r in rows:
         vals = list(r.step_ms.values())
-        out.write(f"| {r.mode} | {r.compile_s:.2f} | {statistics.median(vals):.2f} | {min(vals):.2f}..{max(vals):.2f} | "
+        out.write(f"| {r.mode} | {r.compile_s:.2f} | {r.cache} | {statistics.median(vals):.2f} | {min(vals):.2f}..{max(vals):.2f} | "
                   f"{'yes' if r.equal else 'NO'} | {r.recompiles} |\n")
     show = sizes if len(sizes) <= 12 else sizes[:: max(1, len(sizes) // 12)]
     out.write("\n| size | " + " | ".join(r.mode for r in rows) + " |\n|---:|" + "---:|" * len(rows) + "\n")
@@ -184,7 +195,11 @@ def run_demo(out: TextIO = sys.stdout, *, layers: int = 2, modes: Sequence[tuple
 
     root = cache_root or os.environ.get("PIECEWISE_CACHE_DIR") or user_cache_dir("piecewise")
     torch.manual_seed(0)
+    from .cache.store import resolve_root
+
+    cache = resolve_root(None)
     out.write(f"# piecewise demo (torch {torch.__version__}, {torch.get_num_threads()} threads, CPU)\n")
+    out.write(f"compile cache: {cache or 'disabled'} (a second run starts warm; timings on a shared 2-core machine are noisy)\n")
     ok = True
     for rows in (_reference_decoder(modes, layers), _transformers_llama(modes, layers)):
         _print_rows(out, rows)

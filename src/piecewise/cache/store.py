@@ -6,7 +6,7 @@ Layout, every path inside relative to the root so a cache can be moved or baked 
         index.json               # written last; JSON data only, with a format version
         cache_key_factors.json   # every raw factor, to explain a miss
         computation_graph.py     # the readable split graph
-        artifacts/<piece fingerprint>.<target>.bin
+        artifacts/<piece fingerprint>.<target>.<content hash>.bin
         quarantine/              # bad files moved aside, never read again
 
 Rules: every write is temp file + fsync + atomic rename; writers of one entry are serialised by a
@@ -141,8 +141,8 @@ def check_permissions(root: str, path: str) -> str | None:
             p = os.path.join(p, component)
         try:
             st = os.lstat(p)
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # nothing there to load; writing will fail (and say so) if it cannot create it
         except OSError as e:
             return f"cannot stat {p}: {e}"
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -150,6 +150,20 @@ def check_permissions(root: str, path: str) -> str | None:
         if me is not None and st.st_uid not in (me, 0):
             return f"{p} is owned by uid {st.st_uid}, not by this user"
     return None
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def _checksum(body: Mapping[str, Any]) -> str:
+    return hashlib.sha256(_canonical(body)).hexdigest()
+
+
+def encode_index(body: Mapping[str, Any]) -> bytes:
+    """Index bytes: compact canonical JSON (no insignificant whitespace, so any flipped byte changes
+    content) with a sha256 of everything else in ``checksum``."""
+    return _canonical({**body, "checksum": _checksum(body)})
 
 
 class IndexError_(Exception):
@@ -171,6 +185,9 @@ def read_index(path: str) -> dict[str, Any]:
         raise IndexError_(f"not valid JSON ({e})") from None
     if not isinstance(idx, dict) or idx.get("format") != INDEX_FORMAT or idx.get("key_format") != KEY_FORMAT:
         raise IndexError_(f"unknown index format {idx.get('format') if isinstance(idx, dict) else type(idx).__name__}")
+    body = {k: v for k, v in idx.items() if k != "checksum"}
+    if idx.get("checksum") != _checksum(body):
+        raise IndexError_("index checksum mismatch")
     arts = idx.get("artifacts")
     if not isinstance(arts, dict) or not isinstance(idx.get("meta"), dict) or not isinstance(idx.get("key"), str):
         raise IndexError_("missing fields")
@@ -214,7 +231,7 @@ class CacheEntry:
             return False
         try:
             idx = read_index(os.path.join(self.path, INDEX))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return False
         except IndexError_ as e:
             self._bad(INDEX, f"index is unusable ({e})")
@@ -222,7 +239,7 @@ class CacheEntry:
         except OSError as e:
             report_once(f"read:{self.path}", f"piecewise cache: cannot read {self.path} ({e}); compiling")
             return False
-        if idx["key"] != self.key or idx.get("meta") != json.loads(json.dumps(dict(meta), default=str)):
+        if idx["key"] != self.key or idx.get("meta") != json.loads(_canonical(dict(meta))):
             log.info("[%s] cache entry %s was built for another graph (piece count or signature differ); recompiling",
                      self.tag, self.rel)
             return False
@@ -289,16 +306,19 @@ class CacheEntry:
     def save_artifact(self, name: str, payload: bytes) -> None:
         if not self.writable:
             return
-        rel = f"{self.rel}/{ARTIFACTS}/{name}.bin"
+        digest = hashlib.sha256(payload).hexdigest()
+        # The file name carries the content hash: two processes compiling the same piece may produce
+        # different bytes (compilers are not bit-reproducible), and neither may overwrite the file
+        # the other's index points to. Equal bytes mean equal names, so a lost rename race between
+        # equal contents is a success.
+        rel = f"{self.rel}/{ARTIFACTS}/{name}.{digest[:16]}.bin"
         try:
             _makedirs(os.path.join(self.path, ARTIFACTS))
-            # Content-addressed name: a racing writer with the same piece writes the same bytes,
-            # so whichever rename lands last is correct.
             atomic_write(os.path.join(self.root, *rel.split("/")), payload)
         except OSError as e:
             self._disable_writes(e)
             return
-        self.saved[name] = {"file": rel, "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+        self.saved[name] = {"file": rel, "sha256": digest, "bytes": len(payload)}
 
     def commit(self, meta: Mapping[str, Any], factors: Mapping[str, Any], graph_code: str) -> None:
         """Write the factors, the graph dump and then the index (merged with what other writers
@@ -313,7 +333,7 @@ class CacheEntry:
                 merged: dict[str, Any] = {}
                 try:
                     old = read_index(os.path.join(self.path, INDEX))
-                    if old["key"] == self.key and old["meta"] == json.loads(json.dumps(dict(meta), default=str)):
+                    if old["key"] == self.key and old["meta"] == json.loads(_canonical(dict(meta))):
                         merged.update(old["artifacts"])
                 except (OSError, IndexError_):
                     pass
@@ -324,7 +344,7 @@ class CacheEntry:
                 merged = {k: v for k, v in merged.items() if os.path.isfile(os.path.join(self.root, *v["file"].split("/")))}
                 idx = {"format": INDEX_FORMAT, "key_format": KEY_FORMAT, "key": self.key, "tag": self.tag,
                        "meta": dict(meta), "created": time.time(), "artifacts": dict(sorted(merged.items()))}
-                atomic_write(os.path.join(self.path, INDEX), json.dumps(idx, indent=1, default=str).encode())
+                atomic_write(os.path.join(self.path, INDEX), encode_index(json.loads(_canonical(idx))))
         except OSError as e:
             self._disable_writes(e)
         except filelock.Timeout as e:  # pragma: no cover - FileLock has no timeout by default

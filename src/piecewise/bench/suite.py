@@ -1,0 +1,159 @@
+"""The benchmark suite: runs `worker` measurements and reports ratios against baselines.
+
+Phases, each measurement in its own process:
+
+* cold, per layer count: `full` and `piecewise-inductor` with empty Inductor and piecewise caches;
+* warm, per layer count: the same again, caches now filled (a restarted replica);
+* steady state at one layer count: `eager`, `full`, `piecewise-inductor`, `piecewise-eager`,
+  median/p10/p90 step latency per batch size, and recompiles across distinct sizes.
+
+Figures are ratios to a baseline from the same run: cold/warm compile against `full`, step latency
+against `full` (and `eager`), dispatch overhead as (piecewise-eager - eager) / pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["BenchConfig", "run_bench", "TARGETS"]
+
+TARGETS = {
+    "steady_vs_full": 1.05,  # piecewise step latency <= 1.05x full graph at every batch size
+    "dispatch_us_per_piece": 5.0,
+    "cold_compile_vs_full_at_max_layers": 0.6,
+    "warm_compile_vs_full_warm": 0.25,
+    "recompiles": 0,
+}
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    layers: tuple[int, ...] = (2, 8, 32)
+    steady_layers: int = 8
+    batches: tuple[int, ...] = (1, 8, 64)
+    steps: int = 200
+    sizes: int = 64
+    out_dir: str | None = None  # where JSON/Markdown results go (None: print only)
+
+
+def _worker(args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "piecewise.bench.worker", *args]
+    p = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark worker failed: {' '.join(args)}\n{p.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}"
+
+
+def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
+    """Run the suite; returns the results (also written under `cfg.out_dir` when set)."""
+    import torch
+
+    res: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+        "config": dataclasses.asdict(cfg), "targets": TARGETS, "startup": {}, "steady": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="piecewise-bench-") as tmp:
+        for layers in cfg.layers:
+            for system in ("full", "piecewise-inductor"):
+                env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, f"ind-{system}-{layers}"),
+                       "PIECEWISE_CACHE_DIR": os.path.join(tmp, f"pw-{system}-{layers}")}
+                cold = _worker(["--system", system, "--layers", str(layers)], env)
+                warm = _worker(["--system", system, "--layers", str(layers)], env)
+                res["startup"][f"{system}/{layers}"] = {"cold": cold, "warm": warm}
+                log(f"  {system:20s} {layers:3d} layers: cold first output {cold['first_output_s']:.2f}s, "
+                    f"warm {warm['first_output_s']:.2f}s (compile phase {warm['compile_s']:.2f}s)")
+        L = cfg.steady_layers
+        for system in ("eager", "full", "piecewise-inductor", "piecewise-eager"):
+            env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, f"ind-{system}-{L}"),
+                   "PIECEWISE_CACHE_DIR": os.path.join(tmp, f"pw-{system}-{L}")}
+            r = _worker(["--system", system, "--layers", str(L), "--steps", str(cfg.steps),
+                         "--batches", ",".join(map(str, cfg.batches)), "--sizes", str(cfg.sizes)], env)
+            res["steady"][system] = r
+            log(f"  {system:20s} steady state: " + ", ".join(f"b{b} {v['median_us']:.0f}us" for b, v in r["latency"].items()))
+    res["summary"] = summarize(res, cfg)
+    if cfg.out_dir:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for name in (f"bench-{stamp}.json", "latest.json"):
+            with open(os.path.join(cfg.out_dir, name), "w") as f:
+                json.dump(res, f, indent=1)
+        with open(os.path.join(cfg.out_dir, "latest.md"), "w") as f:
+            f.write(to_markdown(res))
+    return res
+
+
+def summarize(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
+    s: dict[str, Any] = {"startup": [], "steady": [], "dispatch": [], "recompiles": {}}
+    for layers in cfg.layers:
+        full, pw = res["startup"][f"full/{layers}"], res["startup"][f"piecewise-inductor/{layers}"]
+        s["startup"].append({
+            "layers": layers,
+            "cold_full_s": full["cold"]["first_output_s"], "cold_pw_s": pw["cold"]["first_output_s"],
+            "cold_ratio": pw["cold"]["first_output_s"] / full["cold"]["first_output_s"],
+            "warm_full_s": full["warm"]["first_output_s"], "warm_pw_s": pw["warm"]["first_output_s"],
+            "warm_compile_full_s": full["warm"]["compile_s"], "warm_compile_pw_s": pw["warm"]["compile_s"],
+            "warm_compile_ratio": pw["warm"]["compile_s"] / max(full["warm"]["compile_s"], 1e-9),
+            "rss_full_mb": full["cold"]["peak_rss_mb"], "rss_pw_mb": pw["cold"]["peak_rss_mb"],
+        })
+    st = res["steady"]
+    pieces = st["piecewise-eager"].get("pieces", 1) or 1
+    for b in map(str, cfg.batches):
+        row = {"batch": int(b)}
+        for sysname in ("eager", "full", "piecewise-inductor", "piecewise-eager"):
+            row[sysname] = st[sysname]["latency"][b]
+        row["pw_vs_full"] = row["piecewise-inductor"]["median_us"] / row["full"]["median_us"]
+        row["pw_vs_eager"] = row["piecewise-inductor"]["median_us"] / row["eager"]["median_us"]
+        s["steady"].append(row)
+        s["dispatch"].append({"batch": int(b), "pieces": pieces,
+                              "us_per_piece": (row["piecewise-eager"]["median_us"] - row["eager"]["median_us"]) / pieces})
+    s["recompiles"] = {k: v.get("recompiles") for k, v in st.items()}
+    return s
+
+
+def to_markdown(res: dict[str, Any]) -> str:
+    s, m, t = res["summary"], res["machine"], res["targets"]
+    out = [f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}, "
+           f"{m['threads']} threads; {m['date']}.", "",
+           "Reference Llama decoder (hidden 128, GQA 4/2 heads). Time to first output in a new process; "
+           "compile phase = first call minus the eager first call of the same process.", "",
+           "| layers | full cold s | piecewise cold s | ratio (target <= "
+           f"{t['cold_compile_vs_full_at_max_layers']} at max) | full warm s | piecewise warm s | full warm compile s | "
+           f"piecewise warm compile s | ratio (target <= {t['warm_compile_vs_full_warm']}) | peak RSS full / piecewise MB |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in s["startup"]:
+        out.append(f"| {r['layers']} | {_fmt(r['cold_full_s'])} | {_fmt(r['cold_pw_s'])} | {_fmt(r['cold_ratio'])} | "
+                   f"{_fmt(r['warm_full_s'])} | {_fmt(r['warm_pw_s'])} | {_fmt(r['warm_compile_full_s'])} | "
+                   f"{_fmt(r['warm_compile_pw_s'])} | {_fmt(r['warm_compile_ratio'])} | {r['rss_full_mb']:.0f} / {r['rss_pw_mb']:.0f} |")
+    cfg = res["config"]
+    out += ["", f"Steady-state step latency, {cfg['steady_layers']} layers, median (p10-p90) microseconds over "
+            f"{cfg['steps']} steps with fresh inputs:", "",
+            "| batch | eager | full graph | piecewise-inductor | piecewise-eager | piecewise / full (target <= "
+            f"{t['steady_vs_full']}) | piecewise / eager |", "|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(v):
+        return f"{v['median_us']:.0f} ({v['p10_us']:.0f}-{v['p90_us']:.0f})"
+
+    for r in s["steady"]:
+        out.append(f"| {r['batch']} | {cell(r['eager'])} | {cell(r['full'])} | {cell(r['piecewise-inductor'])} | "
+                   f"{cell(r['piecewise-eager'])} | {_fmt(r['pw_vs_full'])} | {_fmt(r['pw_vs_eager'])} |")
+    out += ["", f"Dispatch overhead per piece ((piecewise-eager - eager) / pieces, target <= {t['dispatch_us_per_piece']} us): "
+            + ", ".join(f"batch {d['batch']}: {d['us_per_piece']:.1f} us ({d['pieces']} pieces)" for d in s["dispatch"]),
+            "", f"Recompiles across {cfg['sizes']} distinct sizes (target {t['recompiles']}): "
+            + ", ".join(f"{k} {v}" for k, v in s["recompiles"].items()),
+            "", "Padding waste of capture schedules: not measured yet - graph capture (issue 4) has not landed.", ""]
+    return "\n".join(out)

@@ -1,0 +1,122 @@
+"""One benchmark measurement in a fresh process; prints one JSON line.
+
+Systems: ``eager``; ``full`` (``torch.compile(fullgraph=True)`` with Inductor, the dynamic dim marked,
+what users would pick instead); ``piecewise-inductor``; ``piecewise-eager``. The caller sets
+``TORCHINDUCTOR_CACHE_DIR`` / ``PIECEWISE_CACHE_DIR`` to decide cold or warm.
+
+Measured: time to first output (construction excluded), the eager first call of the same model in
+the same process (so the compile phase is the difference), steady-state step latency per batch
+size (median, p10, p90 over `--steps` calls with fresh inputs), recompiles across distinct sizes,
+and this process's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _model(layers: int):
+    from piecewise.models import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_layers=layers, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
+                      head_dim=32, max_num_seqs=64, max_seq_len=64)
+    return cfg, LlamaForCausalLM(cfg, seed=0)
+
+
+def _inputs(cfg, n: int, gen: torch.Generator):
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+    pos = torch.randint(0, cfg.max_seq_len, (n,), generator=gen)
+    seq = torch.arange(n) % cfg.max_num_seqs
+    return ids, pos, seq
+
+
+def _compiled(system: str, model, max_tokens: int):
+    if system == "eager":
+        return model
+    if system == "full":
+        fn = torch.compile(model, backend="inductor", fullgraph=True, dynamic=None)
+        first = [True]
+
+        def call(ids, pos, seq):
+            if first[0]:  # mark the token dim dynamic once, as a user would on the first batch
+                for t in (ids, pos, seq):
+                    torch._dynamo.mark_dynamic(t, 0)
+                first[0] = False
+            return fn(ids, pos, seq)
+
+        return call
+    import piecewise as pw
+
+    backend = system.split("-", 1)[1]
+    return pw.compile(model, pw.CompilationConfig(backend=backend, max_num_tokens=max_tokens, tag=f"bench_{backend}"),
+                      dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--system", required=True, choices=["eager", "full", "piecewise-inductor", "piecewise-eager"])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=0, help="steady-state steps per batch size (0: skip)")
+    ap.add_argument("--sizes", type=int, default=0, help="also run this many distinct sizes and count recompiles")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    gen = torch.Generator().manual_seed(0)
+    cfg, model = _model(args.layers)
+    max_tokens = max(64, args.sizes)
+
+    # eager first call of this model in this process: what a compile-free start costs
+    x = _inputs(cfg, 8, gen)
+    t0 = time.perf_counter()
+    model(*x)
+    eager_first = time.perf_counter() - t0
+
+    fn = _compiled(args.system, model, max_tokens)
+    x = _inputs(cfg, 8, gen)
+    t0 = time.perf_counter()
+    fn(*x)
+    first = time.perf_counter() - t0
+    out = {"system": args.system, "layers": args.layers, "first_output_s": first, "eager_first_s": eager_first,
+           "compile_s": max(0.0, first - eager_first)}
+
+    import piecewise as pw
+
+    if args.sizes:
+        dyn0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        before = pw.counters.snapshot()
+        for n in range(1, args.sizes + 1):
+            fn(*_inputs(cfg, n, gen))
+        d = pw.counters.delta_since(before)
+        out["recompiles"] = (torch._dynamo.utils.counters["stats"]["unique_graphs"] - dyn0) + d.get("recompiles", 0) + d.get("graphs_seen", 0)
+    if args.steps:
+        lat = {}
+        for b in [int(s) for s in args.batches.split(",")]:
+            xs = [_inputs(cfg, b, gen) for _ in range(args.steps + 5)]
+            for x in xs[:5]:
+                fn(*x)
+            times = []
+            for x in xs[5:]:
+                t0 = time.perf_counter()
+                fn(*x)
+                times.append((time.perf_counter() - t0) * 1e6)
+            times.sort()
+            lat[b] = {"median_us": statistics.median(times), "p10_us": times[len(times) // 10], "p90_us": times[(len(times) * 9) // 10]}
+        out["latency"] = lat
+    if args.system.startswith("piecewise"):
+        out["pieces"] = len(fn.backend.split.items) if fn.backend else 0
+        out["counters"] = {k: v for k, v in pw.counters.snapshot().items() if v}
+        out["timings"] = fn.timings
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Maintenance of a cache root, behind ``piecewise cache ...`` (SPEC §8).
+
+All functions take the root explicitly and return data; the CLI formats it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import secrets
+import tarfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import filelock
+
+from .key import diff_factors, env_factors
+from .store import FACTORS, INDEX, LOCK, QUARANTINE, IndexError_, _makedirs, check_permissions, read_index, remove_tree
+
+__all__ = ["EntryInfo", "list_entries", "find_entry", "verify", "explain", "clear", "export_archive", "import_archive"]
+
+MANIFEST = "piecewise_manifest.json"
+
+
+@dataclasses.dataclass
+class EntryInfo:
+    rel: str  # <key>/rank_<r>_<dp>/<tag>
+    path: str
+    artifacts: int
+    bytes: int
+    created: float | None
+    valid: bool
+    problem: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.rel.split("/")[0]
+
+    @property
+    def tag(self) -> str:
+        return self.rel.split("/")[-1]
+
+
+def _entry_dirs(root: str) -> Iterator[tuple[str, str]]:
+    if not os.path.isdir(root):
+        return
+    for key in sorted(os.listdir(root)):
+        kdir = os.path.join(root, key)
+        if not os.path.isdir(kdir) or key.startswith(".") or ".deleting." in key:
+            continue
+        for rank in sorted(os.listdir(kdir)):
+            rdir = os.path.join(kdir, rank)
+            if not rank.startswith("rank_") or not os.path.isdir(rdir):
+                continue
+            for tag in sorted(os.listdir(rdir)):
+                tdir = os.path.join(rdir, tag)
+                if os.path.isdir(tdir) and ".deleting." not in tag:
+                    yield f"{key}/{rank}/{tag}", tdir
+
+
+def _info(root: str, rel: str, path: str) -> EntryInfo:
+    try:
+        idx = read_index(os.path.join(path, INDEX))
+    except FileNotFoundError:
+        return EntryInfo(rel, path, 0, 0, None, False, "no index (incomplete: a compile was interrupted)")
+    except (IndexError_, OSError) as e:
+        return EntryInfo(rel, path, 0, 0, None, False, f"bad index: {e}")
+    arts = idx["artifacts"]
+    return EntryInfo(rel, path, len(arts), sum(r["bytes"] for r in arts.values()), idx.get("created"), True)
+
+
+def list_entries(root: str) -> list[EntryInfo]:
+    return [_info(root, rel, path) for rel, path in _entry_dirs(root)]
+
+
+def find_entry(root: str, ref: str) -> EntryInfo:
+    """The entry named by `ref`: a path, ``key/rank_r_d/tag``, ``key/tag``, a key, or a key prefix
+    (when it names exactly one entry).
+
+    Raises:
+        LookupError: none or several entries match.
+    """
+    if os.path.isdir(ref) and os.path.isfile(os.path.join(ref, FACTORS)):
+        path = os.path.abspath(ref)
+        return _info(root, os.path.relpath(path, root).replace(os.sep, "/"), path)
+    parts = ref.strip("/").split("/")
+    matches = []
+    for rel, path in _entry_dirs(root):
+        k, r, t = rel.split("/")
+        if (k.startswith(parts[0]) and (len(parts) == 1 or parts[-1] == t) and (len(parts) < 3 or parts[1] == r)):
+            matches.append((rel, path))
+    if len(matches) != 1:
+        names = ", ".join(m[0] for m in matches[:5]) or "none"
+        raise LookupError(f"{ref!r} matches {len(matches)} entries under {root} ({names}); give key/rank_r_d/tag")
+    return _info(root, *matches[0])
+
+
+def verify(root: str) -> tuple[list[str], list[str]]:
+    """Check every entry: index parses, every artifact exists with its recorded sha256, no
+    directory is writable by others. Returns (problems, notes); an empty problem list passes."""
+    problems, notes = [], []
+    if not os.path.isdir(root):
+        return problems, [f"{root} does not exist (an empty cache)"]
+    unsafe = check_permissions(root, root)
+    if unsafe:
+        problems.append(unsafe)
+    for rel, path in _entry_dirs(root):
+        unsafe = check_permissions(root, path)
+        if unsafe:
+            problems.append(f"{rel}: {unsafe}")
+            continue
+        try:
+            idx = read_index(os.path.join(path, INDEX))
+        except FileNotFoundError:
+            notes.append(f"{rel}: no index yet (interrupted compile; the next run completes it)")
+            continue
+        except (IndexError_, OSError) as e:
+            problems.append(f"{rel}: bad index: {e}")
+            continue
+        for name, rec in idx["artifacts"].items():
+            f = os.path.join(root, *rec["file"].split("/"))
+            try:
+                with open(f, "rb") as fh:
+                    data = fh.read()
+            except OSError as e:
+                problems.append(f"{rel}: artifact {name}: {e.strerror or e}")
+                continue
+            if len(data) != rec["bytes"] or hashlib.sha256(data).hexdigest() != rec["sha256"]:
+                problems.append(f"{rel}: artifact {name}: checksum mismatch")
+        q = os.path.join(path, QUARANTINE)
+        if os.path.isdir(q) and os.listdir(q):
+            notes.append(f"{rel}: {len(os.listdir(q))} file(s) in quarantine (bad files moved aside)")
+    return problems, notes
+
+
+def _factors(root: str, ref: str) -> tuple[str, dict[str, Any]]:
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            return ref, json.load(f)
+    info = find_entry(root, ref)
+    with open(os.path.join(info.path, FACTORS)) as f:
+        return info.rel, json.load(f)
+
+
+def explain(root: str, a: str, b: str) -> tuple[str, str, list[str]]:
+    """Which key factors differ between two entries (or factor files: a run's
+    ``cache_key_factors.json``). Returns (name a, name b, differing factor names)."""
+    na, fa = _factors(root, a)
+    nb, fb = _factors(root, b)
+    return na, nb, diff_factors(fa, fb)
+
+
+def clear(root: str, key: str | None = None) -> int:
+    """Remove every entry (or those of one key prefix); returns how many. Safe while another
+    process compiles: each entry is removed under its writer lock, renamed aside first."""
+    n = 0
+    for rel, path in list(_entry_dirs(root)):
+        if key and not rel.startswith(key):
+            continue
+        try:
+            with filelock.FileLock(os.path.join(path, LOCK), timeout=60):
+                remove_tree(path)
+        except (filelock.Timeout, OSError):
+            remove_tree(path)
+        n += 1
+    for k in os.listdir(root) if os.path.isdir(root) else []:
+        kdir = os.path.join(root, k)
+        if (not key or k.startswith(key)) and os.path.isdir(kdir) and not k.startswith("."):
+            for dirpath, dirnames, filenames in os.walk(kdir, topdown=False):
+                if not dirnames and not filenames:
+                    try:
+                        os.rmdir(dirpath)
+                    except OSError:
+                        pass
+    return n
+
+
+def _skip(name: str) -> bool:
+    base = os.path.basename(name)
+    return base == LOCK or ".tmp." in base or f"/{QUARANTINE}/" in f"/{name}/" or ".deleting." in name
+
+
+def export_archive(root: str, out: str, key: str | None = None) -> int:
+    """Write the valid entries (or one key prefix's) to a tar.gz with a manifest of their factors;
+    returns the number of entries."""
+    entries = [e for e in list_entries(root) if e.valid and (not key or e.rel.startswith(key))]
+    manifest = {"format": 1, "created": time.time(), "entries": []}
+    tmp = f"{out}.tmp.{secrets.token_hex(3)}"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for e in entries:
+            with open(os.path.join(e.path, FACTORS)) as f:
+                manifest["entries"].append({"entry": e.rel, "factors": json.load(f)})
+            for dirpath, _, filenames in os.walk(e.path):
+                for fn in sorted(filenames):
+                    full = os.path.join(dirpath, fn)
+                    arc = os.path.relpath(full, root).replace(os.sep, "/")
+                    if not _skip(arc):
+                        tar.add(full, arcname=arc, recursive=False)
+        data = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
+        ti = tarfile.TarInfo(MANIFEST)
+        ti.size, ti.mtime, ti.mode = len(data), int(time.time()), 0o644
+        tar.addfile(ti, io.BytesIO(data))
+    os.replace(tmp, out)
+    return len(entries)
+
+
+def current_factors_sample(entry_factors: dict[str, Any]) -> dict[str, Any]:
+    """The factors of this process that do not depend on the model: torch and piecewise versions,
+    the allow-listed environment, and the hash the entry's compiler adaptor has here. Entries built
+    with custom Inductor options keep their recorded compiler hash (the options are stored as text
+    and cannot be rebuilt here), so only the other factors are compared for them."""
+    import torch
+
+    from .. import __version__
+    from ..compilers import get_adaptor
+    from ..config import CompilationConfig
+    from ..errors import PiecewiseError
+
+    comp = entry_factors.get("compiler", {})
+    name = comp.get("name", "inductor")
+    try:
+        cfg = CompilationConfig(backend=name)
+        here_hash = get_adaptor(name, cfg).compute_hash() if not entry_factors.get("config", {}).get("inductor_options") else comp.get("hash")
+    except PiecewiseError:
+        here_hash = f"<adaptor {name!r} not registered in this process>"
+    return {"torch": torch.__version__, "piecewise": __version__, "env": env_factors(),
+            "compiler": {"name": name, "hash": here_hash}}
+
+
+def import_archive(root: str, archive: str) -> tuple[int, list[str]]:
+    """Unpack an exported archive into `root`. Members must be regular files under the root (no
+    absolute paths, no '..', no links). Returns (entries imported, warnings naming each factor in
+    which an entry differs from this process)."""
+    warns: list[str] = []
+    with tarfile.open(archive, "r:gz") as tar:
+        members = tar.getmembers()
+        for m in members:
+            if not m.isfile() or m.name.startswith("/") or ".." in m.name.split("/"):
+                raise ValueError(f"archive member {m.name!r} is not a plain relative file; refusing to import")
+        man = tar.extractfile(MANIFEST)
+        if man is None:
+            raise ValueError(f"{archive} has no {MANIFEST}; export it with 'piecewise cache export'")
+        manifest = json.load(man)
+        for e in manifest.get("entries", []):
+            f = e.get("factors", {})
+            here = current_factors_sample(f)
+            for name in diff_factors({k: f.get(k) for k in here}, here):
+                warns.append(f"{e['entry']}: factor {name} differs from this process; it will not hit here")
+        _makedirs(root)
+        staging = os.path.join(root, f".import.{os.getpid()}.{secrets.token_hex(3)}")
+        os.mkdir(staging, 0o755)
+        try:
+            for m in members:
+                if m.name == MANIFEST:
+                    continue
+                src = tar.extractfile(m)
+                dest = os.path.join(staging, *m.name.split("/"))
+                _makedirs(os.path.dirname(dest))
+                with open(dest, "wb") as out:
+                    out.write(src.read())
+                os.chmod(dest, 0o644)
+            n = 0
+            for e in manifest.get("entries", []):
+                src = os.path.join(staging, *e["entry"].split("/"))
+                dst = os.path.join(root, *e["entry"].split("/"))
+                if not os.path.isdir(src):
+                    continue
+                _makedirs(os.path.dirname(dst))
+                if os.path.isdir(dst):
+                    remove_tree(dst)
+                os.replace(src, dst)
+                n += 1
+        finally:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+    return n, warns

@@ -1,0 +1,92 @@
+"""`piecewise cache ls | show | verify | explain | clear | export | import` against real entries."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from cachehelp import WORKER, run_worker
+from piecewise.cache import tools
+from piecewise.cli import main
+
+
+def _cli(capsys, *args):
+    code = main(list(args))
+    return code, capsys.readouterr().out
+
+
+def test_ls_show_verify(tmp_path, capsys):
+    root = str(tmp_path / "r")
+    run_worker(root)
+    code, out = _cli(capsys, "cache", "--root", root, "ls")
+    assert code == 0 and "1 entry" in out and "/rank_0_0/TwoSplitModel" in out and "3 artifacts" in out
+    key = tools.list_entries(root)[0].key
+    code, out = _cli(capsys, "cache", "--root", root, "show", key[:6])
+    assert code == 0 and '"splitting_ops"' in out
+    code, out = _cli(capsys, "cache", "--root", root, "verify")
+    assert code == 0 and out.strip().endswith("ok")
+    art = next(f for f in os.listdir(os.path.join(tools.list_entries(root)[0].path, "artifacts")))
+    with open(os.path.join(tools.list_entries(root)[0].path, "artifacts", art), "ab") as f:
+        f.write(b"x")
+    code, out = _cli(capsys, "cache", "--root", root, "verify")
+    assert code == 1 and "checksum mismatch" in out
+
+
+def test_explain_names_the_differing_factor(tmp_path, capsys):
+    root = str(tmp_path / "r")
+    run_worker(root)
+    run_worker(root, "--max-num-tokens", "32")
+    a, b = (e.rel for e in tools.list_entries(root))
+    code, out = _cli(capsys, "cache", "--root", root, "explain", a, b)
+    assert code == 0 and "config.max_num_tokens" in out and "inputs" not in out
+    code, out = _cli(capsys, "cache", "--root", root, "explain", a, a)
+    assert "same key factors" in out
+
+
+def test_export_import_roundtrip_and_warning_on_differing_factor(tmp_path, capsys):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    run_worker(src)
+    archive = str(tmp_path / "cache.tgz")
+    code, out = _cli(capsys, "cache", "--root", src, "export", archive)
+    assert code == 0 and "exported 1 entry" in out
+    # importing into a process whose environment matches: no warning, and the entry hits
+    code, out = _cli(capsys, "cache", "--root", dst, "import", archive)
+    assert code == 0 and "imported 1 entry" in out and "warning" not in out
+    warm = run_worker(dst)
+    assert warm["counters"]["cache_hits"] == 1 and warm["counters"].get("compiler_invocations", 0) == 0
+    # a process that differs in an allow-listed env var is told which factor differs
+    p = subprocess.run([sys.executable, "-m", "piecewise.cli", "cache", "--root", str(tmp_path / "dst2"), "import", archive],
+                       env={**os.environ, "PIECEWISE_KEY_SALT": "other"}, capture_output=True, text=True)
+    assert p.returncode == 0 and "env.PIECEWISE_KEY_SALT" in p.stdout, p.stdout + p.stderr
+
+
+def test_import_refuses_paths_outside_the_root(tmp_path, capsys):
+    import io
+    import tarfile
+
+    archive = str(tmp_path / "evil.tgz")
+    with tarfile.open(archive, "w:gz") as tar:
+        data = b"x"
+        ti = tarfile.TarInfo("../escape.txt")
+        ti.size = len(data)
+        tar.addfile(ti, io.BytesIO(data))
+    code = main(["cache", "--root", str(tmp_path / "r"), "import", archive])
+    assert code == 2 and not (tmp_path / "escape.txt").exists()
+
+
+def test_clear_while_another_process_compiles(tmp_path, capsys):
+    root = str(tmp_path / "r")
+    env = {**os.environ, "PIECEWISE_CACHE_DIR": root}
+    p = subprocess.Popen([sys.executable, WORKER, "--backend", "inductor", "--model", "toy2", "--sizes", "4"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cleared = 0
+    while p.poll() is None:
+        cleared += tools.clear(root)
+        time.sleep(0.2)
+    out, err = p.communicate()
+    assert p.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["equal"]
+    assert tools.verify(root)[0] == []
+    code, out = _cli(capsys, "cache", "--root", root, "clear")
+    assert code == 0 and tools.list_entries(root) == []

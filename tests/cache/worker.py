@@ -1,0 +1,85 @@
+"""A process that compiles a small model with piecewise and checks it against eager.
+
+Prints one JSON line: counter deltas, warnings raised, and whether every size matched eager.
+Exit status 3 when an output differs. Used by the cache tests to get real processes.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import cachehelp  # noqa: E402,F401  registers the "code" adaptor
+import piecewise as pw  # noqa: E402
+from piecewise.models.toy import ToyTransformer, TwoSplitModel  # noqa: E402
+
+
+def build(kind: str, source: str | None):
+    if source:
+        spec = importlib.util.spec_from_file_location("user_model", source)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.Model()
+    return {"two_split": TwoSplitModel, "toy2": lambda: ToyTransformer(num_layers=2, dim=16)}[kind]()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="two_split")
+    ap.add_argument("--source", help="a .py file defining Model (a traced source file)")
+    ap.add_argument("--backend", default="code")
+    ap.add_argument("--max-num-tokens", type=int, default=16)
+    ap.add_argument("--sizes", default="")
+    ap.add_argument("--splitting-ops", default="")
+    ap.add_argument("--inductor-option", action="append", default=[], help="name=python-literal")
+    ap.add_argument("--with-bias", action="store_true", help="pass a tensor for the optional 'bias' argument")
+    ap.add_argument("--check-sizes", default="1,3,16")
+    ap.add_argument("--sleep-after", type=float, default=0.0)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    model = build(args.model, args.source)
+    opts = {}
+    for kv in args.inductor_option:
+        k, v = kv.split("=", 1)
+        opts[k] = eval(v)  # test-only CLI input
+    cfg = pw.CompilationConfig(
+        backend=args.backend, max_num_tokens=args.max_num_tokens,
+        compile_sizes=[int(s) for s in args.sizes.split(",") if s],
+        splitting_ops=[s for s in args.splitting_ops.split(",") if s] or None, inductor_options=opts,
+    )
+    cm = pw.compile(model, cfg, dynamic_arg_dims={"x": 0})
+    before = pw.counters.snapshot()
+    ok = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.perf_counter()
+        for n in [int(s) for s in args.check_sizes.split(",")]:
+            x = torch.randn(n, getattr(model, "dim", 8))
+            kw = {"bias": torch.ones(getattr(model, "dim", 8))} if args.with_bias else {}
+            got = cm(x, **kw)
+            if not torch.allclose(got, model(x, **kw), rtol=1e-4, atol=1e-4):
+                ok = False
+        elapsed = time.perf_counter() - t0
+    if args.sleep_after:
+        time.sleep(args.sleep_after)
+    report = {
+        "counters": pw.counters.delta_since(before),
+        "warnings": [str(w.message) for w in caught if "piecewise" in str(w.message)],
+        "equal": ok,
+        "seconds": elapsed,
+        "pid": os.getpid(),
+    }
+    print(json.dumps(report))
+    return 0 if ok else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
