@@ -19,6 +19,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from piecewise.counters import counters  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -40,7 +42,8 @@ def session_dir():
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path_factory):
-    """Each test: fresh Dynamo state and its own (empty) piecewise cache root."""
+    """Each test: fresh Dynamo state, zeroed counters and its own (empty) piecewise cache root."""
     torch._dynamo.reset()
+    counters.reset()
     monkeypatch.setenv("PIECEWISE_CACHE_DIR", str(tmp_path_factory.mktemp("pwcache")))
     yield

@@ -56,11 +56,18 @@ class StitchedForward:
         self.sym_index = sym_index
         self.tag = tag
         self.max_num_tokens = max_num_tokens
+        self.graphs: Any = None  # a graphs.dispatch.GraphDispatcher when graphs are captured
 
     def __call__(self, *args: Any) -> Any:
-        if self.sym_index is None:
-            n = -1
+        if self.graphs is not None:
+            return self.graphs(args)
+        return self.run_plain(*args)
+
+    def run_plain(self, *args: Any) -> Any:
+        """One forward without graphs, at the call's own size."""
+        if self.sym_index is None:  # static shapes: one entry, no token count to report
             self.state.entry = 0
+            return self.forward(*args)
         else:
             n = args[self.sym_index]
             e = self.table.index_for(n)
@@ -75,6 +82,9 @@ class StitchedForward:
             return self.forward(*args)
         finally:
             _current.reset(token)
+
+    def select_entry(self, n: int) -> None:
+        self.state.entry = self.table.index_for(n)
 
 
 class PiecewiseBackend:
@@ -91,6 +101,8 @@ class PiecewiseBackend:
         self.call_signature = list(call_signature or [])
         self.cache: CacheEntry | None = None
         self.factors: dict[str, Any] = {}
+        self.graph_runner: Any = None  # graphs.wrapper.GraphRunner when graphs are captured
+        self.stitched_wrappers: list[Any] = []  # per-piece graph wrappers, in piece order
         self.adaptor: CompilerAdaptor = get_adaptor(config.backend, config)
         self.split_ops = resolve_splitting_ops(config.splitting_ops) if config.mode == "piecewise" else ()
         self.compiled: StitchedForward | None = None
@@ -217,7 +229,7 @@ class PiecewiseBackend:
         self.table = table = EntryTable(self.config, dynamic=sym_index is not None)
         # Inference only: pieces compile without autograd (no joint graphs), whatever the caller's mode.
         with fake_mode, enable_python_dispatcher(), torch.no_grad():
-            _Propagate(split_gm).run(*fake_inputs)
+            fake_outputs = _Propagate(split_gm).run(*fake_inputs)
         progress.close()
         # Instance attributes win over nn.Module.__getattr__, so the generated forward calls these
         # directly; splitting pieces skip Module.__call__ overhead through their bound forward.
@@ -226,7 +238,12 @@ class PiecewiseBackend:
                 split_gm.__dict__[item.name] = fx_forward(item.graph)
         for runner in self.runners:
             split_gm.__dict__[runner.name] = runner
-        return StitchedForward(split_gm, table, state, sym_index, self.tag, self.config.max_num_tokens)
+        stitched = StitchedForward(split_gm, table, state, sym_index, self.tag, self.config.max_num_tokens)
+        if sym_index is not None:
+            from .graphs.setup import install_graphs
+
+            stitched.graphs = install_graphs(self, stitched, fake_inputs, fake_outputs, symbol)
+        return stitched
 
     def _compile_piece(self, graph: torch.fx.GraphModule, args: Sequence[Any], table: EntryTable, symbol: Any) -> list[Callable[..., Any]]:
         """Compile one distinct piece for every entry; returns the callables in entry order."""

@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["BatchDescriptor", "ForwardContext", "forward_context", "set_forward_context"]
 
@@ -33,6 +34,10 @@ class ForwardContext:
         runtime_mode: ``"none"``, ``"piecewise"`` or ``"full"`` graph replay.
         batch_descriptor: the descriptor of the graph this call replays, or None.
         tag: the compiled region's tag.
+        num_tokens_device: under graph replay, a 0-d int64 tensor on the model's device holding
+            `num_tokens`, at a fixed address. A splitting op captured inside a full graph must read
+            the real count from it (Python ints are frozen into the graph at capture); None without
+            graphs.
     """
 
     num_tokens: int
@@ -40,6 +45,7 @@ class ForwardContext:
     runtime_mode: str = "none"
     batch_descriptor: BatchDescriptor | None = None
     tag: str | None = None
+    num_tokens_device: Any = None
 
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("piecewise_forward_context", default=None)

@@ -101,9 +101,13 @@ def llama_attention(
     Under a forward context only the first ``num_tokens`` rows are real: pad rows (appended after
     them by graph padding) are neither written to the cache nor attended, and their output is zero.
     Positions a token reads must have been written by this or an earlier call; the cache is not
-    checked.
+    checked. Inside a full graph (runtime mode ``"full"``) the real count comes from the context's
+    device tensor and pad rows write into the cache's last slot, a scratch slot no sequence owns,
+    so the op has no Python branch on the count and replays correctly.
     """
     ctx = forward_context()
+    if ctx is not None and ctx.runtime_mode == "full" and ctx.num_tokens_device is not None:
+        return _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, ctx.num_tokens_device)
     n = q.shape[0] if ctx is None else min(ctx.num_tokens, q.shape[0])
     out = torch.zeros_like(q)
     if n == 0:
@@ -125,6 +129,23 @@ def llama_attention(
     probs = torch.softmax(scores, dim=-1)
     out[:n] = torch.einsum("nkgs,nskd->nkgd", probs, values).reshape(n, -1, head_dim).to(q.dtype)
     return out
+
+
+def _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, num_tokens_device):
+    t = q.shape[0]
+    real = torch.arange(t, device=q.device) < num_tokens_device
+    seq = torch.where(real, seq_ids, k_cache.shape[0] - 1)
+    pos = torch.where(real, positions, 0)
+    k_cache[seq, pos] = k
+    v_cache[seq, pos] = v
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    qg = q.float().reshape(t, num_kv_heads, group, head_dim)
+    scores = torch.einsum("nkgd,nskd->nkgs", qg, k_cache[seq].float()) * scale
+    future = torch.arange(k_cache.shape[1], device=q.device)[None, :] > pos[:, None]
+    probs = torch.softmax(scores.masked_fill(future[:, None, None, :], float("-inf")), dim=-1)
+    out = torch.einsum("nkgs,nskd->nkgd", probs, v_cache[seq].float()).reshape(t, -1, head_dim)
+    return torch.where(real[:, None, None], out, 0.0).to(q.dtype)
 
 
 @llama_attention.register_fake
@@ -173,8 +194,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LlamaAttention(nn.Module):
     """q/k/v projections, rotary embedding, the attention splitting op, o projection.
 
-    Owns its layer's KV cache: buffers `k_cache` and `v_cache`, [max_num_seqs, max_seq_len,
-    num_kv_heads, head_dim] in `config.dtype`, not saved in the state dict.
+    Owns its layer's KV cache: buffers `k_cache` and `v_cache`, [max_num_seqs + 1, max_seq_len,
+    num_kv_heads, head_dim] in `config.dtype`, not saved in the state dict. The extra last slot is
+    scratch space for pad rows inside full graphs; no sequence uses it.
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -185,7 +207,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        cache_shape = (c.max_num_seqs, c.max_seq_len, c.num_kv_heads, c.head_dim)
+        cache_shape = (c.max_num_seqs + 1, c.max_seq_len, c.num_kv_heads, c.head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=c.dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=c.dtype), persistent=False)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..forward_context import forward_context
 from ..ops import splitting_op
 
 __all__ = ["toy_attention", "ToyTransformer", "TwoSplitModel"]
@@ -18,10 +19,22 @@ __all__ = ["toy_attention", "ToyTransformer", "TwoSplitModel"]
 
 @splitting_op("piecewise_models::toy_attention")
 def toy_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of every token over every token: q, k, v ``[num_tokens, dim]`` float;
-    returns ``[num_tokens, dim]``. Mixing rows makes padding mistakes visible."""
+    """Softmax attention of every real token over every real token: q, k, v ``[num_tokens, dim]``
+    float; returns ``[num_tokens, dim]``. Mixing rows makes padding mistakes visible. Under graph
+    padding only the first ``forward_context().num_tokens`` rows are real: pad rows are neither
+    attended to nor computed (they come back as zeros), as a serving attention kernel does. The real
+    count is read from the device tensor of the forward context when there is one, so the op stays
+    correct when captured inside a full graph."""
+    ctx = forward_context()
+    if ctx is None:
+        scores = (q.float() @ k.float().t()) / q.shape[-1] ** 0.5
+        return (scores.softmax(-1) @ v.float()).to(q.dtype)
+    rows = torch.arange(q.shape[0], device=q.device)
+    real = rows < (ctx.num_tokens_device if ctx.num_tokens_device is not None else ctx.num_tokens)
     scores = (q.float() @ k.float().t()) / q.shape[-1] ** 0.5
-    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+    scores = scores.masked_fill(~real[None, :], float("-inf"))
+    out = scores.softmax(-1) @ v.float()
+    return torch.where(real[:, None], out, 0.0).to(q.dtype)
 
 
 @toy_attention.register_fake

@@ -1,0 +1,18 @@
+"""Graph capture: the platform interface, per-piece wrappers, padding and capture sizes (SPEC §6)."""
+
+from .dispatch import GraphDispatcher, batch_hint
+from .platform import CudaPlatform, GraphPlatform, register_platform, resolve_platform
+from .wrapper import GraphEntry, GraphRunner, Phase, PieceGraphWrapper
+
+__all__ = [
+    "CudaPlatform",
+    "GraphDispatcher",
+    "GraphEntry",
+    "GraphPlatform",
+    "GraphRunner",
+    "Phase",
+    "PieceGraphWrapper",
+    "batch_hint",
+    "register_platform",
+    "resolve_platform",
+]

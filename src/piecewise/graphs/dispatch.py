@@ -1,0 +1,180 @@
+"""Padding, static input buffers and graph-mode dispatch for one compiled model (SPEC §4.7, §6.1,
+§6.4).
+
+A call of ``n`` tokens is padded to the smallest capture size ``>= n``: each input with a dynamic
+dim is copied into the first ``n`` rows of a static buffer sized for ``max_num_tokens`` (allocated
+once, so its address never moves), rows ``n..padded`` are zero-filled, the model runs at the padded
+size (replaying graphs), and outputs are sliced back to ``n`` rows. The forward context carries the
+real and padded counts, so a splitting op can skip pad rows. Above the largest capture size the call
+runs without graphs (counted; logged once).
+
+Runtime mode per call: ``piecewise`` replays one graph per compiled piece with splitting ops run
+eagerly in between; ``full`` replays one graph of the whole forward (splitting ops must be safe to
+capture); ``full_and_piecewise`` uses full graphs for uniform-decode batches (`batch_hint`) and
+piecewise graphs otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..counters import counters
+from ..forward_context import BatchDescriptor, ForwardContext, _current
+from .wrapper import GraphRunner, PieceGraphWrapper
+
+__all__ = ["GraphDispatcher", "StaticInput", "batch_hint"]
+
+log = logging.getLogger("piecewise")
+
+_uniform_decode: contextvars.ContextVar[bool] = contextvars.ContextVar("piecewise_uniform_decode", default=False)
+
+
+@contextlib.contextmanager
+def batch_hint(*, uniform_decode: bool) -> Iterator[None]:
+    """Declare the batch shape of the calls in this block: ``uniform_decode=True`` when every
+    request contributes the same number of tokens (a decode step), which `full_and_piecewise` serves
+    with full graphs."""
+    token = _uniform_decode.set(uniform_decode)
+    try:
+        yield
+    finally:
+        _uniform_decode.reset(token)
+
+
+@dataclasses.dataclass
+class StaticInput:
+    """A graph input whose `dim` is the token dim: copied and padded into `buffer` every call."""
+
+    index: int
+    dim: int
+    buffer: torch.Tensor | None = None
+
+
+class GraphDispatcher:
+    """Pads each call to a capture size and runs it through the graph wrappers.
+
+    Args:
+        forward: the split module's forward (piece wrappers installed for piecewise mode).
+        runner: the shared `GraphRunner`.
+        capture_sizes: sorted capture sizes, all <= `max_num_tokens`.
+        sym_index: position of the token-count SymInt among the graph inputs.
+        static_inputs: the inputs with a token dim.
+        output_dims: per flat output, the token dim to slice back, or None.
+        cudagraph_mode: ``piecewise`` | ``full`` | ``full_and_piecewise``.
+        select_entry: sets the compile entry for a size (exact size, range, general).
+        plain: runs a call without graphs (sizes above the largest capture size).
+    """
+
+    def __init__(self, forward: Callable[..., Any], runner: GraphRunner, capture_sizes: Sequence[int], *, sym_index: int,
+                 static_inputs: list[StaticInput], output_dims: list[int | None], cudagraph_mode: str, max_num_tokens: int,
+                 select_entry: Callable[[int], None], plain: Callable[..., Any], tag: str) -> None:
+        from .capture_sizes import PaddingTable
+
+        self.forward = forward
+        self.runner = runner
+        self.sizes = sorted(capture_sizes)
+        self.sym_index = sym_index
+        self.static_inputs = static_inputs
+        self.output_dims = output_dims
+        self.mode = cudagraph_mode
+        self.max_num_tokens = max_num_tokens
+        self.select_entry = select_entry
+        self.plain = plain
+        self.tag = tag
+        self.full = PieceGraphWrapper(forward, runner, mode="full", first=True, name="full graph") if cudagraph_mode != "piecewise" else None
+        self._table_cls = PaddingTable
+        self.table = PaddingTable(self.sizes, max_num_tokens)
+        self.captured = False
+        self.captured_ptrs = False
+        self.num_tokens_device: torch.Tensor | None = None
+        self._warned_above = False
+        runner.on_size_failed = self._drop_size
+
+    def _drop_size(self, size: int) -> None:
+        self.sizes = [s for s in self.sizes if s != size]
+        self.table = self._table_cls(self.sizes, self.max_num_tokens)
+
+    # -- per call -------------------------------------------------------------------------------
+    def __call__(self, args: tuple[Any, ...]) -> Any:
+        if not self.captured:
+            self.capture_all(args)
+        n = args[self.sym_index]
+        padded = self.table.padded(n)
+        if padded is None:
+            counters.bump("eager_above_capture", tag=self.tag)
+            if not self._warned_above:
+                self._warned_above = True
+                log.info("[%s] %d tokens is above the largest capture size %s; such calls run without graphs",
+                         self.tag, n, self.sizes[-1] if self.sizes else None)
+            return self.plain(*args)
+        return self._run(args, n, padded)
+
+    def _run(self, args: tuple[Any, ...], n: int, padded: int) -> Any:
+        uniform = _uniform_decode.get()
+        mode = "full" if self.mode == "full" or (self.mode == "full_and_piecewise" and uniform) else "piecewise"
+        padded_args = self._fill(args, n, padded)
+        self.num_tokens_device.fill_(n)
+        self.select_entry(padded)
+        token = _current.set(ForwardContext(n, padded, mode, BatchDescriptor(padded, uniform), self.tag, self.num_tokens_device))
+        try:
+            out = self.full(*padded_args) if mode == "full" else self.forward(*padded_args)
+        finally:
+            _current.reset(token)
+        return self._slice(out, n)
+
+    def _fill(self, args: tuple[Any, ...], n: int, padded: int) -> list[Any]:
+        if self.num_tokens_device is None:
+            device = next(a.device for a in args if isinstance(a, torch.Tensor))
+            self.num_tokens_device = torch.zeros((), dtype=torch.int64, device=device)
+        new = list(args)
+        for si in self.static_inputs:
+            x = args[si.index]
+            buf = si.buffer
+            if buf is None:
+                shape = list(x.shape)
+                shape[si.dim] = self.max_num_tokens
+                buf = si.buffer = torch.zeros(shape, dtype=x.dtype, device=x.device)
+            if n:
+                buf.narrow(si.dim, 0, n).copy_(x.narrow(si.dim, 0, n))
+            if padded > n:
+                buf.narrow(si.dim, n, padded - n).zero_()
+            new[si.index] = buf.narrow(si.dim, 0, padded)
+        new[self.sym_index] = padded
+        if not self.captured_ptrs:
+            # Static buffers, weights and caches: bound in place by every graph (checked at replay).
+            self.captured_ptrs = True
+            self.runner.stable_ptrs.update(a.data_ptr() for a in new if isinstance(a, torch.Tensor))
+        return new
+
+    def _slice(self, out: Any, n: int) -> Any:
+        if isinstance(out, (tuple, list)):
+            return type(out)(o.narrow(d, 0, n) if d is not None else o for o, d in zip(out, self.output_dims))
+        d = self.output_dims[0]
+        return out.narrow(d, 0, n) if d is not None else out
+
+    # -- capture ------------------------------------------------------------------------------
+    def capture_all(self, template: tuple[Any, ...]) -> None:
+        """Warm up and capture every size, largest first (later, smaller captures reuse the pool
+        memory the largest one reserved). Runs with zero real tokens, so splitting ops that honour
+        ``forward_context().num_tokens`` write nothing (no KV-cache entries for dummy rows)."""
+        self.captured = True
+        before = counters.snapshot()
+        modes = ["piecewise"] if self.mode == "piecewise" else ["full"] if self.mode == "full" else ["full", "piecewise"]
+        for size in sorted(self.sizes, reverse=True):
+            for mode in modes:
+                hint = batch_hint(uniform_decode=(mode == "full"))
+                with hint:
+                    for _ in range(self.runner.num_warmups + 1):
+                        if size not in self.sizes:
+                            break
+                        self._run(template, 0, size)
+        d = counters.delta_since(before)
+        log.info("[%s] captured %d graphs over %d sizes (%s), pool %.1f MB; sizes %s", self.tag, d.get("graphs_captured", 0),
+                 len(self.sizes), self.mode, self.runner.total_pool_bytes / 2**20, self.sizes)

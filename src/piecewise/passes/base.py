@@ -1,0 +1,524 @@
+"""The pass interface, the wrappers that turn plain callables into passes, and pass uuids (SPEC §7).
+
+A pass is a post-grad FX graph transform: it receives the functionalized, decomposed ATen graph
+Inductor is about to lower (one piece, one compile target) and rewrites it in place. Every pass has
+a `uuid()` that enters the compile key, so the cache never serves code built by another version of
+a pass, and a rerun of the same pass hits.
+
+How a uuid is computed (never by pickling anything):
+
+* `PiecewisePass` subclass: sha256 of the bytes of every file that defines the code of its class
+  and of its base classes below `PiecewisePass` (found from the methods' code objects, so a class
+  built by ``exec`` is rejected instead of being hashed as some other file), plus the class name
+  and its options (`PiecewisePass.config`). File granularity follows Inductor's advice for
+  `CustomGraphPass.uuid` (``get_hash_for_files``): a helper the pass calls is in the same file.
+* plain function or lambda (`FunctionPass`): its source text (``inspect.getsource``), a digest of
+  its code object (two lambdas on one line differ), its defaults, its closure values, and the
+  module-level constants and helper functions it names, recursively. Values must be plain data
+  (numbers, strings, tuples, dicts, dtypes, ops, functions, ...): anything else is rejected.
+* Inductor `CustomGraphPass` object (`InductorPass`): its own ``uuid()``.
+
+Where the design comes from: Inductor's `CustomGraphPass` contract (a uuid per pass, part of the FX
+graph cache key) and vLLM's `InductorPass`, which hashes a pass's source and its config. Ours adds
+the compile target a pass runs for (`PassContext`) and rejects what cannot be hashed stably.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import functools
+import hashlib
+import inspect
+import json
+import os
+import textwrap
+import types
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..compilers.base import CompileTarget
+    from ..config import CompileRange
+
+__all__ = [
+    "PassContext",
+    "PiecewisePass",
+    "FunctionPass",
+    "InductorPass",
+    "graph_pass",
+    "as_pass",
+    "resolve_pass",
+    "stable_digest",
+]
+
+_FIX = (
+    "define it with `def` in a module file, or subclass piecewise.passes.PiecewisePass and "
+    "implement uuid()"
+)
+
+
+# -- the context a pass runs in ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    """What one run of the pass pipeline is compiling for.
+
+    Attributes:
+        target: the `CompileTarget`: the general (symbolic) compile, one compile range, or one
+            static compile size.
+    """
+
+    target: CompileTarget
+
+    @property
+    def compile_range(self) -> CompileRange | None:
+        """The inclusive token-count range of a range compile; None for the general and size
+        compiles."""
+        return self.target.compile_range
+
+    @property
+    def size(self) -> int | None:
+        """The token count of a static-size compile (the graph holds no SymInt); else None."""
+        return self.target.size
+
+    @property
+    def is_static(self) -> bool:
+        return self.target.size is not None
+
+    @property
+    def label(self) -> str:
+        """``"general"``, ``"range [1, 16]"`` or ``"size 4"`` (for logs)."""
+        return self.target.label
+
+    def covers(self, n: int) -> bool:
+        """Whether token count `n` can reach code compiled for this target."""
+        if self.target.size is not None:
+            return n == self.target.size
+        if self.target.compile_range is not None:
+            return n in self.target.compile_range
+        return True
+
+
+# -- the interface -------------------------------------------------------------------------------
+class PiecewisePass(abc.ABC):
+    """A post-grad graph pass run by `PostGradPassManager` inside Inductor.
+
+    Subclasses implement `__call__`. Public attributes are the pass's options: they enter the
+    uuid (see `config`), so keep mutable state (statistics, records) in ``_``-prefixed
+    attributes. A pass must be a pure function of the graph, the `PassContext` and its options:
+    when the compile cache (ours or Inductor's) hits, passes do not run at all.
+    """
+
+    #: shown in logs and timing records; defaults to the class name
+    name: str = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.__dict__.get("name"):
+            cls.name = cls.__name__
+
+    @abc.abstractmethod
+    def __call__(self, graph: torch.fx.Graph, context: PassContext) -> int | None:
+        """Rewrite `graph` in place (its nodes carry ``meta["val"]`` fake tensors).
+
+        Returns:
+            the number of rewrites made, or None to let the manager count changed nodes.
+        """
+
+    def applies_to(self, context: PassContext) -> bool:
+        """Whether to run for this compile target (default: every target). Declare here, for
+        instance, a pass that only pays off for static sizes or for large ranges."""
+        return True
+
+    def config(self) -> Mapping[str, Any]:
+        """The options that change what the pass does, as plain data (enters the uuid).
+
+        Default: the dataclass fields of a dataclass pass, else the public instance attributes.
+
+        Raises:
+            ConfigError: an option holds a value that cannot be hashed stably (override this
+                method to return plain data).
+        """
+        if dataclasses.is_dataclass(self):
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    def uuid(self) -> str:
+        """A stable hex id of this pass's source and options (see the module doc).
+
+        Raises:
+            ConfigError: the source cannot be read or an option cannot be hashed stably.
+        """
+        cls = type(self)
+        files = _class_source_files(cls)
+        try:
+            options = _stable(dict(self.config()), f"{cls.__qualname__}.config()")
+        except _Unstable as e:
+            raise ConfigError(
+                f"pass {self.name!r}: option {e.where} holds {e.what}, which has no stable hash; "
+                "keep state in '_'-prefixed attributes, or override config() to return plain data"
+            ) from None
+        return stable_digest(
+            {
+                "class": f"{cls.__module__}.{cls.__qualname__}",
+                "files": [_file_digest(f) for f in files],
+                "options": options,
+            }
+        )
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name}>"
+
+
+class FunctionPass(PiecewisePass):
+    """A plain function (or lambda) as a pass.
+
+    `fn` is called as ``fn(graph)`` or, when it takes two positional arguments,
+    ``fn(graph, context)``. Its uuid comes from its source (see the module doc); `applies_to`, a
+    ``(PassContext) -> bool`` callable, is hashed the same way.
+
+    Raises:
+        ConfigError: `fn`'s source cannot be read (``eval``, ``exec``, a REPL, ``python -c``) or a
+            value it closes over cannot be hashed stably. Raised at construction, so a
+            `CompilationConfig` holding such a pass never exists.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        applies_to: Callable[[PassContext], bool] | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise ConfigError(f"pass {fn!r} is not callable; give a function taking (graph) or (graph, context)")
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self._applies_to = applies_to
+        self._takes_context = _positional_arity(fn) >= 2
+        self._uuid = stable_digest(
+            {"fn": _callable_fingerprint(fn, self.name), "applies_to": _callable_fingerprint(applies_to, self.name)}
+            if applies_to is not None
+            else {"fn": _callable_fingerprint(fn, self.name)}
+        )
+
+    def __call__(self, graph: torch.fx.Graph, context: PassContext) -> int | None:
+        out = self.fn(graph, context) if self._takes_context else self.fn(graph)
+        return out if isinstance(out, int) and not isinstance(out, bool) else None
+
+    def applies_to(self, context: PassContext) -> bool:
+        return True if self._applies_to is None else bool(self._applies_to(context))
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+class InductorPass(PiecewisePass):
+    """An Inductor `CustomGraphPass` object used as a pass; its ``uuid()`` is trusted as is.
+
+    Raises:
+        ConfigError: its ``uuid()`` returns None (Inductor's "do not cache" answer: our cache
+            key needs an id).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = type(inner).__name__
+        if inner.uuid() is None:
+            raise ConfigError(
+                f"Inductor pass {self.name!r} returns uuid() None, so compiles using it cannot be cached; "
+                "return a stable id from uuid() (e.g. torch._inductor.custom_graph_pass.get_hash_for_files)"
+            )
+
+    def __call__(self, graph: torch.fx.Graph, context: PassContext) -> int | None:
+        self.inner(graph)
+        return None
+
+    def uuid(self) -> str:
+        u = self.inner.uuid()
+        return stable_digest({"inductor_pass": u.hex() if isinstance(u, bytes) else repr(u)})
+
+
+def graph_pass(
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    applies_to: Callable[[PassContext], bool] | None = None,
+) -> Any:
+    """Decorator form of `FunctionPass`: ``@graph_pass`` or
+    ``@graph_pass(applies_to=lambda ctx: ctx.is_static)`` over ``def my_pass(graph, context)``."""
+    if fn is None:
+        return lambda f: FunctionPass(f, name=name, applies_to=applies_to)
+    return FunctionPass(fn, name=name, applies_to=applies_to)
+
+
+# -- turning config entries into passes --------------------------------------------------------
+def as_pass(obj: Any) -> PiecewisePass:
+    """A `PiecewisePass` for one entry of `CompilationConfig.passes`.
+
+    Accepts a `PiecewisePass`, a `PiecewisePass` subclass (instantiated without arguments), an
+    Inductor `CustomGraphPass`, a function or lambda, or an importable name
+    ``"package.module:attr"`` naming any of those.
+
+    Raises:
+        ConfigError: the entry is none of those, the name does not import, or the pass has no
+            stable uuid; the message says how to fix it.
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    if isinstance(obj, str):
+        return as_pass(resolve_pass(obj))
+    if isinstance(obj, PiecewisePass):
+        obj.uuid()  # surface an unhashable option or unreadable source now, not mid-compile
+        return obj
+    if isinstance(obj, type) and issubclass(obj, PiecewisePass):
+        try:
+            return as_pass(obj())
+        except TypeError as e:
+            raise ConfigError(
+                f"pass class {obj.__qualname__} cannot be built without arguments ({e}); put an instance in passes"
+            ) from None
+    if isinstance(obj, CustomGraphPass):
+        return InductorPass(obj)
+    if isinstance(obj, (types.FunctionType, functools.partial)):
+        return FunctionPass(obj)
+    raise ConfigError(
+        f"passes holds {obj!r} ({type(obj).__name__}); each entry must be a PiecewisePass, a function taking "
+        "(graph) or (graph, context), an Inductor CustomGraphPass, or a name 'package.module:attr'"
+    )
+
+
+def resolve_pass(name: str) -> Any:
+    """Import ``"package.module:attr"`` (``attr`` may be dotted) and return the object.
+
+    Raises:
+        ConfigError: the name is malformed or does not import.
+    """
+    import importlib
+
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"pass name {name!r} must be written 'package.module:attr', e.g. 'mypkg.passes:FuseRMSNorm'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"pass {name!r}: cannot import module {module_name!r} ({e}); check the name and sys.path") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"pass {name!r}: module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+# -- stable hashing ------------------------------------------------------------------------------
+def stable_digest(data: Any) -> str:
+    """sha256 hex of the canonical JSON of `data` (plain data only)."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class _Unstable(Exception):
+    def __init__(self, where: str, what: str) -> None:
+        super().__init__(where)
+        self.where, self.what = where, what
+
+
+def _stable(v: Any, where: str, seen: frozenset[int] = frozenset()) -> Any:
+    """Plain JSON data that identifies `v` across processes, or `_Unstable`."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return {"float": repr(v)}
+    if isinstance(v, bytes):
+        return {"bytes": hashlib.sha256(v).hexdigest()}
+    if isinstance(v, enum.Enum):
+        return {"enum": f"{type(v).__module__}.{type(v).__qualname__}.{v.name}"}
+    if isinstance(v, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return {"torch": str(v)}
+    if isinstance(v, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return {"op": str(v)}
+    if isinstance(getattr(v, "_opoverload", None), torch._ops.OpOverload):  # torch.library CustomOpDef
+        return {"op": str(v._opoverload)}
+    if isinstance(v, (tuple, list)):
+        return {type(v).__name__: [_stable(x, f"{where}[{i}]", seen) for i, x in enumerate(v)]}
+    if isinstance(v, (set, frozenset)):
+        items = [_stable(x, f"{where}{{}}", seen) for x in v]
+        return {"set": sorted(items, key=lambda x: json.dumps(x, sort_keys=True))}
+    if isinstance(v, Mapping):
+        items = [(_stable(k, f"{where} key", seen), _stable(x, f"{where}[{k!r}]", seen)) for k, x in v.items()]
+        return {"map": sorted(items, key=lambda kv: json.dumps(kv[0], sort_keys=True))}
+    if isinstance(v, PiecewisePass):
+        return {"pass": v.uuid()}
+    if isinstance(v, type):
+        return {"class": f"{v.__module__}.{v.__qualname__}"}
+    if isinstance(v, types.ModuleType):
+        return {"module": v.__name__}
+    if isinstance(v, (types.FunctionType, functools.partial)):
+        return {"function": _function_fingerprint(v, where, seen)}
+    if isinstance(v, (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)):
+        return {"builtin": f"{getattr(v, '__module__', None)}.{v.__qualname__}"}
+    if dataclasses.is_dataclass(v) and getattr(type(v), "__dataclass_params__").frozen:
+        fields = {f.name: _stable(getattr(v, f.name), f"{where}.{f.name}", seen) for f in dataclasses.fields(v)}
+        return {"dataclass": f"{type(v).__module__}.{type(v).__qualname__}", "fields": fields}
+    raise _Unstable(where, f"a {type(v).__module__}.{type(v).__qualname__}")
+
+
+def _function_fingerprint(fn: Any, where: str, seen: frozenset[int]) -> Any:
+    if isinstance(fn, functools.partial):
+        return {
+            "partial": _function_fingerprint(fn.func, where, seen) if isinstance(fn.func, (types.FunctionType, functools.partial)) else _stable(fn.func, where, seen),
+            "args": _stable(fn.args, f"{where} partial args", seen),
+            "keywords": _stable(fn.keywords, f"{where} partial keywords", seen),
+        }
+    qual = f"{fn.__module__}.{fn.__qualname__}"
+    if id(fn) in seen:  # recursion (a helper calling itself): its body is already in the digest
+        return {"ref": qual}
+    seen = seen | {id(fn)}
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError) as e:
+        raise _NoSource(fn, str(e)) from None
+    code = fn.__code__
+    closure = {}
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell (a name assigned after the function was made)
+            value = None
+        closure[name] = _stable(value, f"variable {name!r} closed over by {fn.__qualname__}", seen)
+    referenced = {}
+    for name in sorted(_global_names(code)):
+        if name not in fn.__globals__:
+            continue
+        value = fn.__globals__[name]
+        if isinstance(value, types.FunctionType) and value.__module__ != fn.__module__:
+            continue  # library code: versioned by its package, not by this pass
+        if isinstance(value, types.FunctionType):
+            referenced[name] = _stable(value, f"global {name!r} used by {fn.__qualname__}", seen)
+        elif isinstance(value, (bool, int, float, str, bytes, tuple, frozenset, enum.Enum)):
+            try:  # module-level constants; other module state is not an option of the pass
+                referenced[name] = _stable(value, name, seen)
+            except _Unstable:
+                pass
+    return {
+        "qualname": qual,
+        "source": source,
+        "code": _code_digest(code),
+        "defaults": _stable(fn.__defaults__, f"defaults of {fn.__qualname__}", seen),
+        "kwdefaults": _stable(fn.__kwdefaults__, f"keyword defaults of {fn.__qualname__}", seen),
+        "closure": closure,
+        "globals": referenced,
+    }
+
+
+class _NoSource(Exception):
+    def __init__(self, fn: Any, reason: str) -> None:
+        super().__init__(reason)
+        self.fn, self.reason = fn, reason
+
+
+def _callable_fingerprint(fn: Any, pass_name: str) -> Any:
+    """`_function_fingerprint` with its failures turned into `ConfigError`s that say what to do."""
+    try:
+        if isinstance(fn, (types.FunctionType, functools.partial)):
+            return _function_fingerprint(fn, pass_name, frozenset())
+        return _stable(fn, pass_name)
+    except _NoSource as e:
+        raise ConfigError(
+            f"pass {pass_name!r}: the source of {getattr(e.fn, '__qualname__', e.fn)!r} cannot be read "
+            f"({e.reason}), so no stable uuid exists and the compile cache cannot tell it apart from "
+            f"another pass; {_FIX}"
+        ) from None
+    except _Unstable as e:
+        raise ConfigError(
+            f"pass {pass_name!r}: {e.where} holds {e.what}, which has no stable hash; pass plain data "
+            "(numbers, strings, tuples, dtypes) or subclass piecewise.passes.PiecewisePass and return "
+            "the option from config()"
+        ) from None
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _global_names(c)
+    return names
+
+
+def _code_digest(code: types.CodeType) -> str:
+    h = hashlib.sha256()
+    h.update(code.co_code)
+    h.update(repr(code.co_names).encode())
+    h.update(repr(code.co_varnames).encode())
+    for c in code.co_consts:
+        h.update(_code_digest(c).encode() if isinstance(c, types.CodeType) else repr(c).encode())
+    return h.hexdigest()
+
+
+def _positional_arity(fn: Any) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 2
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _class_source_files(cls: type) -> list[str]:
+    """The files defining the code of `cls` and its bases up to `PiecewisePass`.
+
+    Raises:
+        ConfigError: a class's code was not loaded from a readable file.
+    """
+    files: list[str] = []
+    for klass in cls.__mro__:
+        if klass is PiecewisePass or not issubclass(klass, PiecewisePass):
+            continue
+        found = set()
+        for attr in vars(klass).values():
+            for f in _functions_of(attr):
+                found.add(f.__code__.co_filename)
+        if not found:  # a class holding only attributes: its module's file
+            module = inspect.getmodule(klass)
+            found.add(getattr(module, "__file__", None) or f"<no file for module {klass.__module__}>")
+        for path in sorted(found):
+            if path.startswith("<") or not os.path.isfile(path):
+                raise ConfigError(
+                    f"pass class {klass.__qualname__} is defined in {path!r}, whose source cannot be read, so "
+                    f"no stable uuid exists; define the class in a module file, or override uuid()"
+                )
+            if path not in files:
+                files.append(path)
+    return files
+
+
+def _functions_of(attr: Any) -> list[types.FunctionType]:
+    if isinstance(attr, (staticmethod, classmethod)):
+        attr = attr.__func__
+    if isinstance(attr, property):
+        return [f for f in (attr.fget, attr.fset, attr.fdel) if isinstance(f, types.FunctionType)]
+    if isinstance(attr, functools.partialmethod):
+        attr = attr.func
+    attr = inspect.unwrap(attr) if callable(attr) else attr
+    return [attr] if isinstance(attr, types.FunctionType) else []
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest_at(path: str, mtime_ns: int, size: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _file_digest(path: str) -> str:
+    """sha256 of a source file's bytes (cached per modification time and size). The path itself
+    is not part of the uuid: the same code checked out elsewhere hits."""
+    st = os.stat(path)
+    return _file_digest_at(path, st.st_mtime_ns, st.st_size)

@@ -1,0 +1,185 @@
+"""CPU tier of graph capture, with a fake graph platform injected by the tests."""
+
+import pytest
+import torch
+
+import piecewise as pw
+from fakeplatform import fake_cpu_platform
+from piecewise import CompilationConfig, counters
+from piecewise.graphs import Phase, batch_hint
+from piecewise.models.toy import ToyTransformer, TwoSplitModel
+
+
+def _compile(model, **kw):
+    kw.setdefault("backend", "eager")
+    kw.setdefault("max_num_tokens", 32)
+    kw.setdefault("cudagraph_capture_sizes", [4, 8, 16])
+    return pw.compile(model, CompilationConfig(**kw), dynamic_arg_dims={"x": 0})
+
+
+def test_warmup_capture_replay_counts_and_equality_every_size():
+    model = ToyTransformer(num_layers=3, dim=16)
+    with fake_cpu_platform() as plat:
+        cm = _compile(model)
+        gen = torch.Generator().manual_seed(0)
+        with counters.expect(graphs_captured=3 * 4, capturable_pieces=4, recompiles=0):
+            x = torch.randn(3, 16, generator=gen)
+            torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+        assert plat.captured_sizes[:4] == [16] * 4, "largest size captured first"
+        assert sorted(set(plat.captured_sizes)) == [4, 8, 16]
+        wrappers = [cm.backend.stitched_wrappers[i] for i in range(4)]
+        for w in wrappers:
+            assert {s: e.phase for s, e in w.entries.items()} == {4: Phase.CAPTURED, 8: Phase.CAPTURED, 16: Phase.CAPTURED}
+            assert all(e.warmups_done == 1 for e in w.entries.values())
+        with counters.expect(graphs_captured=0, recompiles=0):
+            for n in range(1, 33):
+                x = torch.randn(n, 16, generator=gen)
+                torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+        assert counters.by_tag[cm.tag].eager_above_capture == 16  # sizes 17..32
+
+
+def test_pad_rows_zero_and_forward_context_has_real_and_padded_counts():
+    seen = []
+
+    @pw.splitting_op("pw_test_graphs::peek", mutates_args=())
+    def peek(x: torch.Tensor) -> torch.Tensor:
+        ctx = pw.forward_context()
+        seen.append((ctx.num_tokens, ctx.padded_num_tokens, ctx.runtime_mode, x.shape[0], x[ctx.num_tokens:].abs().sum().item()))
+        return x * 3
+
+    @peek.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.pw_test_graphs.peek(x + 0) * 2
+
+    with fake_cpu_platform():
+        cm = _compile(M())
+        x = torch.randn(5, 2) + 10
+        out = cm(x)
+        torch.testing.assert_close(out, x * 6)
+        assert out.shape == (5, 2)
+        n, padded, mode, rows, pad_sum = seen[-1]
+        assert (n, padded, mode, rows) == (5, 8, "piecewise", 8) and pad_sum == 0.0
+
+
+def test_failed_capture_falls_back_to_next_size():
+    model = TwoSplitModel()
+    with fake_cpu_platform(fail_sizes={8}):
+        cm = _compile(model)
+        with pytest.warns(RuntimeWarning, match="size 8"):
+            cm(torch.randn(2, 8))
+        dispatcher = cm.backend.compiled.graphs
+        assert dispatcher.sizes == [4, 16]
+        x = torch.randn(6, 8)
+        torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+        assert pw.forward_context() is None
+
+
+def test_out_of_memory_skips_the_remaining_sizes():
+    model = TwoSplitModel()
+    with fake_cpu_platform(oom_sizes={8}) as plat:
+        cm = _compile(model)
+        with pytest.warns(RuntimeWarning, match="out of memory"):
+            cm(torch.randn(2, 8))
+        assert set(plat.captured_sizes) == {16}
+        for n in (3, 7, 12):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_moved_input_address_raises_capture_error():
+    class WithBias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return torch.ops.piecewise_models.toy_attention(x + self.bias, x, x) * 2
+
+    with fake_cpu_platform():
+        model = WithBias()
+        cm = _compile(model)
+        cm(torch.randn(3, 8))  # replays size 4 once: checked
+        model.bias = torch.nn.Parameter(torch.zeros(8))  # a new tensor at a new address
+        with pytest.raises(pw.CaptureError, match="moved since capture"):
+            cm(torch.randn(7, 8))  # the first replay of size 8 checks addresses
+        torch._dynamo.reset()
+        # debug mode checks every replay, so a size already replayed catches it too
+        model = WithBias()
+        cm = _compile(model, debug=True)
+        cm(torch.randn(3, 8))
+        cm(torch.randn(3, 8))
+        model.bias = torch.nn.Parameter(torch.zeros(8))
+        with pytest.raises(pw.CaptureError, match="moved since capture"):
+            cm(torch.randn(3, 8))
+
+
+def test_full_and_full_and_piecewise_modes_nest():
+    model = ToyTransformer(num_layers=2, dim=16)
+    for mode in ("full", "full_and_piecewise"):
+        with fake_cpu_platform() as plat:
+            cm = _compile(model, cudagraph_mode=mode)
+            for n in (3, 9, 16, 1):
+                for uniform in (False, True):
+                    with batch_hint(uniform_decode=uniform):
+                        x = torch.randn(n, 16)
+                        torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+            full_graphs = len(cm.backend.compiled.graphs.full.entries)
+            assert full_graphs == 3
+            piece_graphs = sum(len(w.entries) for w in cm.backend.stitched_wrappers)
+            assert piece_graphs == (0 if mode == "full" else 3 * 3)
+        torch._dynamo.reset()
+
+
+def test_cpu_without_platform_resolves_to_none():
+    model = TwoSplitModel()
+    cm = _compile(model)
+    with counters.expect(graphs_captured=0, capturable_pieces=0):
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(cm(x), model(x))
+    assert cm.backend.compiled.graphs is None
+
+
+def test_a_second_model_captures_cleanly_after_the_first_is_deleted():
+    import gc
+
+    with fake_cpu_platform():
+        a = ToyTransformer(num_layers=2, dim=16, seed=1)
+        ca = _compile(a)
+        ca(torch.randn(3, 16))
+        pool_a = ca.backend.graph_runner.pool
+        del ca
+        gc.collect()
+        torch._dynamo.reset()
+        b = ToyTransformer(num_layers=2, dim=16, seed=2)
+        cb = _compile(b)
+        x = torch.randn(5, 16)
+        torch.testing.assert_close(cb(x), b(x), rtol=1e-5, atol=1e-5)
+        assert cb.backend.graph_runner.pool is not pool_a
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_reference_decoder_decode_under_graphs_equals_eager(mode):
+    from piecewise.models import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
+
+    cfg = LlamaConfig(num_layers=2)
+    trace = default_trace(cfg.vocab_size)
+
+    def decode(fn, model):
+        return greedy_decode(fn, trace.prompts, trace.max_new_tokens, arrival_steps=trace.arrival_steps,
+                             max_num_seqs=cfg.max_num_seqs, reset=model.reset_kv_cache)
+
+    ref_model = LlamaForCausalLM(cfg, seed=5)
+    ref = decode(ref_model, ref_model)
+    with fake_cpu_platform():
+        model = LlamaForCausalLM(cfg, seed=5)
+        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64, cudagraph_mode=mode,
+                                                 cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32]),
+                        dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
+        with counters.expect(recompiles=0):
+            out = decode(cm, model)
+        assert out.tokens == ref.tokens
+        assert counters.by_tag[cm.tag].graph_replays > 0
