@@ -55,6 +55,8 @@ def test_from_env():
         CompilationConfig.from_env({"PIECEWISE_MAX_NUM_TOKENS": "many"})
     with pytest.raises(ConfigError, match="PIECEWISE_CONFIG"):
         CompilationConfig.from_env({"PIECEWISE_CONFIG": "{"})
+    with pytest.raises(ConfigError, match="JSON list"):
+        CompilationConfig.from_env({"PIECEWISE_CONFIG": "[1]"})
 
 
 def test_code_factors_normalise_split_op_spellings():

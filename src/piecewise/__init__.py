@@ -3,7 +3,7 @@
 See README.md for usage; SPEC-level terms: splitting op, piece, compile range, compile size.
 """
 
-from . import compilers
+from . import compilers, graphs, passes
 from .api import CompiledModel, compile
 from .config import CompilationConfig, CompileRange
 from .counters import counters
@@ -41,6 +41,8 @@ __all__ = [
     "compile",
     "compilers",
     "counters",
+    "graphs",
+    "passes",
     "forward_context",
     "mark_splitting_op",
     "splitting_op",

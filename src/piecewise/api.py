@@ -9,8 +9,13 @@ Consequence, by design: Python branches that depend on shapes or on non-tensor a
 to the first trace. Each call therefore checks, before running, that every input has the traced
 dtype, device and rank, static dims of the traced size, dynamic dims <= ``max_num_tokens``, and
 non-tensor arguments equal to the traced values; anything else raises `InputError`. With
-``CompilationConfig(debug=True)`` calls go through Dynamo with recompiles forbidden, so a guard that
-would have failed raises `GuardFailureError` instead of running stale code.
+``CompilationConfig(debug=True)`` every call also evaluates the trace's Dynamo guards (kept from the
+trace), so a guard that would have failed raises `GuardFailureError` instead of running stale code.
+
+Also frozen, since Dynamo read them while tracing: attributes of the module that are not tensors
+(``self.temperature = 2.0`` after the first call is not seen) and Python side effects in
+``forward`` (a counter incremented per call runs once). Hooks on submodules are traced; hooks on
+the model itself are refused (forward is called directly). Debug mode detects all of these.
 
 Compiled models are for inference: every call runs under ``torch.no_grad()`` and outputs carry no
 autograd history.
@@ -21,7 +26,6 @@ dynamic dim (Dynamo otherwise treats sizes 0 and 1 as constants).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import threading
@@ -37,7 +41,8 @@ import torch
 from .backend import PiecewiseBackend
 from .config import CompilationConfig
 from .counters import counters
-from .errors import CompileError, ConfigError, GuardFailureError, InputError
+from .errors import CompileError, ConfigError, GuardFailureError
+from .inputs import CallSignature
 
 __all__ = ["compile", "CompiledModel", "unique_tag"]
 
@@ -63,19 +68,6 @@ def unique_tag(base: str) -> str:
 def release_tag(tag: str) -> None:
     with _tags_lock:
         _tags_used.discard(tag)
-
-
-@dataclasses.dataclass(frozen=True)
-class _ArgSpec:
-    """What one traced argument must look like on later calls."""
-
-    name: str
-    position: int | None  # index in *args, or None for a keyword
-    kind: str  # "tensor" | "none" | "value"
-    dtype: torch.dtype | None = None
-    device: torch.device | None = None
-    shape: tuple[int | None, ...] = ()  # None marks a dynamic dim
-    value: Any = None
 
 
 class CompiledModel:
@@ -107,9 +99,13 @@ class CompiledModel:
                 raise ConfigError(f"dynamic_arg_dims names {name!r}, which is not an argument of {type(module).__name__}.forward {names}")
             dims = (dims,) if isinstance(dims, int) else tuple(dims)
             self._dynamic[name] = dims
-        self._specs: list[_ArgSpec] = []
+        if config.mode != "none":
+            from .compilers import get_adaptor
+
+            get_adaptor(config.backend, config)  # an unknown adaptor name fails here, before any call
+        self._signature = CallSignature(self._params, self._dynamic, self.tag, config.max_num_tokens)
+        self._guards: Any = None  # Dynamo's guard manager of the trace (debug mode checks it)
         self._fast: Callable[..., Any] | None = None
-        self._dynamo_fn: Callable[..., Any] | None = None
         self._lock = threading.Lock()
 
     # -- calling ------------------------------------------------------------------------------
@@ -120,38 +116,39 @@ class CompiledModel:
         with torch.no_grad():
             if fast is None:
                 return self._first_call(args, kwargs)
-            self._check(args, kwargs)
+            args, kwargs = self._signature.check(args, kwargs)
             if self.config.debug:
-                return self._debug_call(args, kwargs)
+                self._check_guards(args, kwargs)
             return fast(self.module, *args, **kwargs)
 
     forward = __call__
 
-    def _debug_call(self, args: tuple, kwargs: dict) -> Any:
-        try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self._dynamo_fn(*args, **kwargs)
-        except Exception as e:
-            if "fail_on_recompile" in str(e) or type(e).__name__ == "RecompileError":
-                raise GuardFailureError(
-                    f"[{self.tag}] a guard of the first trace failed on this call, so guard-free dispatch would run code "
-                    f"traced for other inputs: {e}"
-                ) from e
-            raise
+    def _check_guards(self, args: tuple, kwargs: dict) -> None:
+        """Debug mode: evaluate the first trace's Dynamo guards on this call's frame locals."""
+        bound = inspect.signature(self._forward_fn).bind(self.module, *args, **kwargs)
+        bound.apply_defaults()
+        f_locals = dict(bound.arguments)
+        if not self._guards.check(f_locals):
+            failed = self._guards.check_verbose(f_locals).verbose_code_parts
+            raise GuardFailureError(
+                f"[{self.tag}] a guard of the first trace fails on this call, so guard-free dispatch would run code "
+                f"traced for other inputs: {failed[0] if failed else '?'}. Compile this variant under another tag"
+            )
 
     def _first_call(self, args: tuple, kwargs: dict) -> Any:
         with self._lock:
             if self._fast is not None:
                 return self(*args, **kwargs)
-            self._specs = self._record_specs(args, kwargs)
-            self._check(args, kwargs)
-            for spec in self._specs:
-                if spec.kind == "tensor":
-                    t = args[spec.position] if spec.position is not None else kwargs[spec.name]
-                    for d, s in enumerate(spec.shape):
-                        if s is None:
-                            torch._dynamo.mark_dynamic(t, d)
-            self.backend = PiecewiseBackend(self.config, self.tag, call_signature=[_describe_spec(s) for s in self._specs])
+            if self.module._forward_hooks or self.module._forward_pre_hooks:
+                raise ConfigError(
+                    f"[{self.tag}] {type(self.module).__name__} has forward hooks; the compiled model calls forward "
+                    "directly and would skip them. Register them on a submodule (they are traced) or apply them outside"
+                )
+            self._signature.record(args, kwargs)
+            args, kwargs = self._signature.check(args, kwargs)
+            for t, d in self._signature.dynamic_tensors(args, kwargs):
+                torch._dynamo.mark_dynamic(t, d)
+            self.backend = PiecewiseBackend(self.config, self.tag, call_signature=self._signature.describe())
             t0 = time.perf_counter()
             out, code = self._trace(args, kwargs)
             total = time.perf_counter() - t0
@@ -167,7 +164,9 @@ class CompiledModel:
             return out
 
     def _trace(self, args: tuple, kwargs: dict) -> tuple[Any, types.CodeType]:
+        import torch._dynamo.exc
         import torch.fx.experimental._config as fx_config
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
         from torch._dynamo.convert_frame import register_bytecode_hook
 
         target = self._forward_fn.__code__
@@ -179,11 +178,25 @@ class CompiledModel:
 
         handle = register_bytecode_hook(hook)
         try:
-            self._dynamo_fn = torch.compile(self.module.forward, backend=self.backend, fullgraph=True)
+            fn = torch.compile(self.module.forward, backend=self.backend, fullgraph=True)
             with fx_config.patch(backed_size_oblivious=True):
-                out = self._dynamo_fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+        except (torch._dynamo.exc.UserError, ConstraintViolationError) as e:
+            raise ConfigError(
+                f"[{self.tag}] tracing failed: {str(e).splitlines()[0]}. Usually an input dim is tied to a dim marked "
+                "dynamic but is not marked itself (add it to dynamic_arg_dims), or the model fixes a dim marked "
+                "dynamic (remove it)"
+            ) from e
         finally:
             handle.remove()
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.eval_frame import remove_from_cache
+
+        entries = _debug_get_cache_entry_list(target)
+        self._guards = entries[0].guard_manager if entries else None
+        # Dispatch never consults Dynamo's cache again: drop the entry so it does not hold this model
+        # alive or count toward Dynamo's recompile limit when the same class is compiled again.
+        remove_from_cache(target)
         if len(captured) != 1:
             raise CompileError(
                 f"[{self.tag}] Dynamo produced {len(captured)} transformed versions of {type(self.module).__name__}.forward, "
@@ -191,104 +204,8 @@ class CompiledModel:
             )
         return out, captured[0]
 
-    # -- input checks -------------------------------------------------------------------------
-    def _record_specs(self, args: tuple, kwargs: dict) -> list[_ArgSpec]:
-        named = [p for p in self._params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if len(args) > len(named):
-            raise InputError(f"[{self.tag}] {len(args)} positional arguments given; pass the extra ones by name")
-        slots: list[tuple[str, int | None, Any]] = []
-        for i, p in enumerate(named):
-            if i < len(args):
-                slots.append((p.name, i, args[i]))
-            elif p.name in kwargs:
-                slots.append((p.name, None, kwargs[p.name]))
-            # else: the default is frozen into the trace; passing it later fails the arity check
-        known = {p.name for p in named}
-        slots += [(k, None, v) for k, v in kwargs.items() if k not in known]  # through **kwargs
-        specs: list[_ArgSpec] = []
-        for name, pos, v in slots:
-            dims = self._dynamic.get(name, ())
-            if isinstance(v, torch.Tensor):
-                for d in dims:
-                    if d >= v.dim() or d < -v.dim():
-                        raise InputError(f"dynamic_arg_dims marks dim {d} of {name!r}, but it has rank {v.dim()}")
-                dyn = {d % v.dim() for d in dims}
-                shape = tuple(None if d in dyn else s for d, s in enumerate(v.shape))
-                specs.append(_ArgSpec(name, pos, "tensor", v.dtype, v.device, shape))
-            elif dims:
-                raise InputError(f"dynamic_arg_dims marks {name!r}, which is a {type(v).__name__}, not a tensor")
-            elif v is None:
-                specs.append(_ArgSpec(name, pos, "none"))
-            else:
-                specs.append(_ArgSpec(name, pos, "value", value=v))
-        return specs
-
-    def _check(self, args: tuple, kwargs: dict) -> None:
-        max_n = self.config.max_num_tokens
-        if len(args) + len(kwargs) != len(self._specs):
-            self._check_arity(args, kwargs)
-        for spec in self._specs:
-            if spec.position is not None and spec.position < len(args):
-                v = args[spec.position]
-            elif spec.name in kwargs:
-                v = kwargs[spec.name]
-            else:
-                raise InputError(f"[{self.tag}] argument {spec.name!r} was passed when traced but is missing now; pass it")
-            if spec.kind == "tensor":
-                if not isinstance(v, torch.Tensor):
-                    raise InputError(f"[{self.tag}] {spec.name!r} was a tensor when traced but is {type(v).__name__} now")
-                if v.dtype != spec.dtype:
-                    raise InputError(f"[{self.tag}] {spec.name!r} has dtype {v.dtype}, compiled for {spec.dtype}; cast it with .to({spec.dtype})")
-                if v.device != spec.device:
-                    raise InputError(f"[{self.tag}] {spec.name!r} is on {v.device}, compiled for {spec.device}; move it there")
-                shape = v.shape
-                if len(shape) != len(spec.shape):
-                    raise InputError(f"[{self.tag}] {spec.name!r} has rank {len(shape)}, compiled for rank {len(spec.shape)} {_fmt(spec.shape)}")
-                for d, s in enumerate(spec.shape):
-                    if s is None:
-                        if shape[d] > max_n:
-                            raise InputError(
-                                f"[{self.tag}] {spec.name!r} dim {d} is {shape[d]}, above max_num_tokens={max_n}; "
-                                "split the batch or raise max_num_tokens"
-                            )
-                    elif shape[d] != s:
-                        raise InputError(
-                            f"[{self.tag}] {spec.name!r} has shape {tuple(shape)}, compiled for {_fmt(spec.shape)}; dim {d} "
-                            "is static. Mark it in dynamic_arg_dims or pass the traced size"
-                        )
-            elif spec.kind == "none":
-                if v is not None:
-                    raise InputError(f"[{self.tag}] {spec.name!r} was None when traced; compile another tag for calls that pass it")
-            elif not (v is spec.value or v == spec.value):
-                raise InputError(
-                    f"[{self.tag}] {spec.name!r}={v!r} differs from the traced value {spec.value!r}; non-tensor arguments are "
-                    "frozen into the trace. Compile another tag for this value"
-                )
-
-    def _check_arity(self, args: tuple, kwargs: dict) -> None:
-        traced = {s.name for s in self._specs}
-        given = {p.name for p in self._params[: len(args)]} | set(kwargs)
-        extra, missing = sorted(given - traced), sorted(traced - given)
-        raise InputError(
-            f"[{self.tag}] arguments differ from the traced call: extra {extra}, missing {missing}; "
-            "pass the same arguments every call"
-        )
-
     def __repr__(self) -> str:
         return f"CompiledModel({type(self.module).__name__}, tag={self.tag!r}, mode={self.config.mode!r}, backend={self.config.backend!r})"
-
-
-def _describe_spec(spec: _ArgSpec) -> list[Any]:
-    """A JSON-ready description of one traced argument (enters the cache key)."""
-    if spec.kind == "tensor":
-        return [spec.name, "tensor", str(spec.dtype), spec.device.type, ["*" if s is None else s for s in spec.shape]]
-    if spec.kind == "value":
-        return [spec.name, "value", repr(spec.value)]
-    return [spec.name, spec.kind]
-
-
-def _fmt(shape: tuple[int | None, ...]) -> str:
-    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
 
 
 def compile(

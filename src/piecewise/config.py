@@ -30,6 +30,9 @@ CODE_FIELDS = (
     "compile_ranges",
     "max_num_tokens",
     "inductor_options",
+    "passes",
+    "noop_elimination",
+    "reinplace_custom_ops",
 )
 
 
@@ -60,6 +63,17 @@ def _int_list(name: str, value: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _passes(value: Any) -> tuple[Any, ...]:
+    """`CompilationConfig.passes` as `PiecewisePass` objects (names imported, functions wrapped)."""
+    from .passes.base import as_pass
+
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"passes={value!r} must be a list of passes, e.g. passes=[{value!r}]")
+    return tuple(as_pass(p) for p in value)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompilationConfig:
     """How `piecewise.compile` compiles one region of a model.
@@ -84,6 +98,13 @@ class CompilationConfig:
         tag: the name of this compiled region (its own cache subdir and counters). ``None``
             derives one from the model class, made unique within the process.
         inductor_options: Inductor config patches for the ``inductor`` adaptor.
+        passes: user post-grad passes, run by the ``inductor`` adaptor on every piece for every
+            compile target, in order, between the two built-ins. Each entry is a
+            `piecewise.passes.PiecewisePass`, a function ``(graph)`` or ``(graph, context)``, an
+            Inductor ``CustomGraphPass``, or an importable name ``"package.module:attr"``; all are
+            normalised to `PiecewisePass` objects here. The ``eager`` adaptor runs no passes.
+        noop_elimination: run the built-in `piecewise.passes.NoOpElimination` first.
+        reinplace_custom_ops: run the built-in `piecewise.passes.ReinplaceCustomOps` last.
         debug: check on every call that the first trace's Dynamo guards still hold (slow).
 
     Raises:
@@ -101,6 +122,9 @@ class CompilationConfig:
     cache_dir: str | None = None
     tag: str | None = None
     inductor_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    passes: tuple[Any, ...] = ()
+    noop_elimination: bool = True
+    reinplace_custom_ops: bool = True
     debug: bool = False
 
     def __post_init__(self) -> None:
@@ -142,6 +166,10 @@ class CompilationConfig:
         if not isinstance(self.inductor_options, Mapping):
             raise ConfigError(f"inductor_options={self.inductor_options!r} must be a mapping of Inductor config names to values")
         set_(self, "inductor_options", dict(self.inductor_options))
+        for name in ("noop_elimination", "reinplace_custom_ops"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        set_(self, "passes", _passes(self.passes))
 
     # -- derived views -------------------------------------------------------------------------
     def ranges(self) -> tuple[CompileRange, ...]:
@@ -167,6 +195,8 @@ class CompilationConfig:
             v = getattr(self, name)
             if name == "splitting_ops" and v is not None:
                 v = sorted({normalize_op_name(o) for o in v})
+            elif name == "passes":
+                v = [[p.name, p.uuid()] for p in v]
             elif isinstance(v, tuple):
                 v = list(v)
             elif isinstance(v, dict):
@@ -197,9 +227,12 @@ class CompilationConfig:
         raw = env.get("PIECEWISE_CONFIG")
         if raw:
             try:
-                data.update(json.loads(raw))
+                parsed = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"PIECEWISE_CONFIG is not valid JSON ({e}); give a JSON object") from None
+            if not isinstance(parsed, dict):
+                raise ConfigError(f"PIECEWISE_CONFIG={raw!r} is a JSON {type(parsed).__name__}; give a JSON object of fields")
+            data.update(parsed)
         for key, field, conv in (
             ("PIECEWISE_MODE", "mode", str),
             ("PIECEWISE_BACKEND", "backend", str),

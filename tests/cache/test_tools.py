@@ -90,3 +90,32 @@ def test_clear_while_another_process_compiles(tmp_path, capsys):
     assert tools.verify(root)[0] == []
     code, out = _cli(capsys, "cache", "--root", root, "clear")
     assert code == 0 and tools.list_entries(root) == []
+
+
+def test_import_refuses_manifest_entries_that_escape_the_root(tmp_path):
+    import io
+    import tarfile
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    (tmp_path / "root" / "victim").mkdir(parents=True)
+    archive = str(tmp_path / "trav.tgz")
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, data in [("k/x.txt", b"x"),
+                           ("piecewise_manifest.json", json.dumps({"entries": [{"entry": "../victim", "factors": {}}]}).encode())]:
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tar.addfile(ti, io.BytesIO(data))
+    assert main(["cache", "--root", str(tmp_path / "root"), "import", archive]) == 2
+    assert (victim / "keep.txt").read_text() == "precious"
+    assert (tmp_path / "root" / "victim").is_dir()
+
+
+def test_show_by_tag_and_clear_leaves_no_empty_dirs(tmp_path, capsys):
+    root = str(tmp_path / "r")
+    run_worker(root)
+    code, out = _cli(capsys, "cache", "--root", root, "show", "TwoSplitModel")
+    assert code == 0 and "TwoSplitModel" in out
+    _cli(capsys, "cache", "--root", root, "clear")
+    assert os.listdir(root) == []

@@ -55,8 +55,10 @@ def report_once(key: str, message: str) -> bool:
         if key in _reported:
             return False
         _reported.add(key)
+    # One report: a Python warning (shown once, filterable); the log keeps a debug copy for servers
+    # that route warnings elsewhere.
     warnings.warn(message, RuntimeWarning, stacklevel=3)
-    log.warning(message)
+    log.debug(message)
     return True
 
 
@@ -268,7 +270,9 @@ class CacheEntry:
             report_once(f"read:{path}", f"piecewise cache: cannot read {path} ({e}); recompiling that piece")
             return None
         if len(data) != rec["bytes"] or hashlib.sha256(data).hexdigest() != rec["sha256"]:
-            self._bad(rec["file"], f"artifact checksum mismatch ({len(data)} bytes, index says {rec['bytes']})")
+            what = (f"size {len(data)} bytes, index says {rec['bytes']}" if len(data) != rec["bytes"]
+                    else "sha256 differs from the index")
+            self._bad(rec["file"], f"artifact is corrupt ({what})")
             return None
         return data
 

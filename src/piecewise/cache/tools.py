@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import secrets
 import tarfile
 import time
@@ -24,6 +25,7 @@ from .store import FACTORS, INDEX, LOCK, QUARANTINE, IndexError_, _makedirs, che
 __all__ = ["EntryInfo", "list_entries", "find_entry", "verify", "explain", "clear", "export_archive", "import_archive"]
 
 MANIFEST = "piecewise_manifest.json"
+_ENTRY_NAME = re.compile(r"[0-9a-f]{8,64}/rank_\d+_\d+/(?!\.)[A-Za-z0-9_.\-]+")
 
 
 @dataclasses.dataclass
@@ -78,8 +80,8 @@ def list_entries(root: str) -> list[EntryInfo]:
 
 
 def find_entry(root: str, ref: str) -> EntryInfo:
-    """The entry named by `ref`: a path, ``key/rank_r_d/tag``, ``key/tag``, a key, or a key prefix
-    (when it names exactly one entry).
+    """The entry named by `ref`: a path, ``key/rank_r_d/tag``, ``key/tag``, a key, a key prefix or a
+    tag (when it names exactly one entry).
 
     Raises:
         LookupError: none or several entries match.
@@ -91,7 +93,9 @@ def find_entry(root: str, ref: str) -> EntryInfo:
     matches = []
     for rel, path in _entry_dirs(root):
         k, r, t = rel.split("/")
-        if (k.startswith(parts[0]) and (len(parts) == 1 or parts[-1] == t) and (len(parts) < 3 or parts[1] == r)):
+        if len(parts) == 1 and (k.startswith(parts[0]) or t == parts[0]):
+            matches.append((rel, path))
+        elif len(parts) > 1 and k.startswith(parts[0]) and parts[-1] == t and (len(parts) < 3 or parts[1] == r):
             matches.append((rel, path))
     if len(matches) != 1:
         names = ", ".join(m[0] for m in matches[:5]) or "none"
@@ -148,10 +152,28 @@ def _factors(root: str, ref: str) -> tuple[str, dict[str, Any]]:
 
 def explain(root: str, a: str, b: str) -> tuple[str, str, list[str]]:
     """Which key factors differ between two entries (or factor files: a run's
-    ``cache_key_factors.json``). Returns (name a, name b, differing factor names)."""
+    ``cache_key_factors.json``). Returns (name a, name b, ``"factor: value a -> value b"`` lines)."""
     na, fa = _factors(root, a)
     nb, fb = _factors(root, b)
-    return na, nb, diff_factors(fa, fb)
+    out = []
+    for name in diff_factors(fa, fb):
+        va, vb = _lookup(fa, name), _lookup(fb, name)
+        out.append(f"{name}: {_short(va)} -> {_short(vb)}")
+    return na, nb, out
+
+
+def _lookup(factors: dict[str, Any], dotted: str) -> Any:
+    cur: Any = factors
+    for part in dotted.split(" ")[0].split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return "<absent>"
+        cur = cur[part]
+    return cur
+
+
+def _short(v: Any, limit: int = 120) -> str:
+    s = json.dumps(v, sort_keys=True, default=str)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 def clear(root: str, key: str | None = None) -> int:
@@ -170,12 +192,11 @@ def clear(root: str, key: str | None = None) -> int:
     for k in os.listdir(root) if os.path.isdir(root) else []:
         kdir = os.path.join(root, k)
         if (not key or k.startswith(key)) and os.path.isdir(kdir) and not k.startswith("."):
-            for dirpath, dirnames, filenames in os.walk(kdir, topdown=False):
-                if not dirnames and not filenames:
-                    try:
-                        os.rmdir(dirpath)
-                    except OSError:
-                        pass
+            for dirpath, _, _ in os.walk(kdir, topdown=False):
+                try:
+                    os.rmdir(dirpath)  # only succeeds for directories emptied above
+                except OSError:
+                    pass
     return n
 
 
@@ -265,8 +286,12 @@ def import_archive(root: str, archive: str) -> tuple[int, list[str]]:
                 os.chmod(dest, 0o644)
             n = 0
             for e in manifest.get("entries", []):
+                if not isinstance(e.get("entry"), str) or not _ENTRY_NAME.fullmatch(e["entry"]):
+                    raise ValueError(f"manifest entry {e.get('entry')!r} is not key/rank_r_d/tag; refusing to import")
                 src = os.path.join(staging, *e["entry"].split("/"))
                 dst = os.path.join(root, *e["entry"].split("/"))
+                if not os.path.realpath(dst).startswith(os.path.realpath(root) + os.sep):
+                    raise ValueError(f"manifest entry {e['entry']!r} resolves outside {root}; refusing to import")
                 if not os.path.isdir(src):
                     continue
                 _makedirs(os.path.dirname(dst))

@@ -5,6 +5,11 @@ tracing context); a size compile re-specialises the piece on concrete shapes in 
 so its graph holds no SymInt. Artifacts are compiled in AOT mode: `serialize()` yields one
 self-contained byte string (the bundled AOTAutograd entry with its Inductor code), which is what
 the cache stores and `load` turns back into a callable without running Inductor.
+
+Post-grad passes (`piecewise.passes`): each compile installs a `PostGradPassManager` bound to its
+`CompileTarget` as Inductor's ``post_grad_custom_post_pass`` (before any such pass given in
+``inductor_options``, which still runs after it). The pipeline's uuid is part of `compute_hash`;
+the manager's own uuid adds the target, so Inductor's FX graph cache keys differ per target too.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ class InductorAdaptor(CompilerAdaptor):
 
     def __init__(self, config) -> None:
         super().__init__(config)
+        from ..passes.manager import PostGradPassManager
+
         self.config_patches: dict[str, Any] = dict(config.inductor_options)
+        self.passes = PostGradPassManager.from_config(config)
         self._hash: str | None = None
 
     def compute_hash(self) -> str:
@@ -39,7 +47,13 @@ class InductorAdaptor(CompilerAdaptor):
             with inductor_config.patch(self.config_patches):
                 cfg = inductor_config.save_config_portable()
             blob = json.dumps(
-                {"torch": torch.__version__, "inductor_config": {k: repr(v) for k, v in sorted(cfg.items())}},
+                {
+                    "torch": torch.__version__,
+                    "inductor_config": {k: repr(v) for k, v in sorted(cfg.items())},
+                    # Inductor leaves custom passes out of its portable config: hash their uuids
+                    "passes": self.passes.pipeline_uuid(),
+                    "post_grad_custom_post_pass": _custom_pass_ids(self.config_patches.get("post_grad_custom_post_pass")),
+                },
                 sort_keys=True,
             )
             self._hash = hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -52,7 +66,7 @@ class InductorAdaptor(CompilerAdaptor):
     def compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget) -> CompiledPiece:
         from torch._inductor import standalone_compile
 
-        options = {"config_patches": dict(self.config_patches)}
+        options = {"config_patches": self._patches_for(target)}
         try:
             if target.size is not None:
                 inputs, fake_mode = _static_inputs(example_inputs, target.size, target.symbol)
@@ -71,6 +85,16 @@ class InductorAdaptor(CompilerAdaptor):
             payload = None
         return CompiledPiece(art, payload)
 
+    def _patches_for(self, target: CompileTarget) -> dict[str, Any]:
+        """The Inductor config patches of one compile: ours plus the pass manager for `target`."""
+        patches = dict(self.config_patches)
+        if self.passes.passes:  # none configured: keep Inductor's cache shared across targets
+            from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
+            user = get_custom_graph_passes(patches.get("post_grad_custom_post_pass"))
+            patches["post_grad_custom_post_pass"] = [self.passes.for_target(target), *user]
+        return patches
+
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
 
@@ -79,6 +103,20 @@ class InductorAdaptor(CompilerAdaptor):
         if _returns_single_value(graph):
             return lambda *args: fn(*args)[0]
         return fn
+
+
+def _custom_pass_ids(value: Any) -> list[str] | None:
+    """Stable ids of Inductor custom passes given in ``inductor_options`` (None: none given). A
+    pass without ``uuid()`` gets its qualified name: Inductor itself bypasses its cache for it."""
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
+    if not value:
+        return None
+    out = []
+    for p in get_custom_graph_passes(value):
+        u = p.uuid() if hasattr(p, "uuid") else None
+        out.append(u.hex() if isinstance(u, bytes) else repr(u) if u is not None else f"{type(p).__module__}.{type(p).__qualname__}")
+    return out
 
 
 def _returns_single_value(graph: torch.fx.GraphModule) -> bool:

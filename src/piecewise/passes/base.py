@@ -9,13 +9,17 @@ How a uuid is computed (never by pickling anything):
 
 * `PiecewisePass` subclass: sha256 of the bytes of every file that defines the code of its class
   and of its base classes below `PiecewisePass` (found from the methods' code objects, so a class
-  built by ``exec`` is rejected instead of being hashed as some other file), plus the class name
-  and its options (`PiecewisePass.config`). File granularity follows Inductor's advice for
-  `CustomGraphPass.uuid` (``get_hash_for_files``): a helper the pass calls is in the same file.
+  built by ``exec`` is rejected instead of being hashed as some other file) and of the files it
+  lists in `PiecewisePass.source_files`, plus the class name and its options
+  (`PiecewisePass.config`). File granularity follows Inductor's advice for `CustomGraphPass.uuid`
+  (``get_hash_for_files``): helpers in the pass's own module are covered without listing them.
+  The files' paths are not hashed, so the same code checked out elsewhere hits.
 * plain function or lambda (`FunctionPass`): its source text (``inspect.getsource``), a digest of
-  its code object (two lambdas on one line differ), its defaults, its closure values, and the
-  module-level constants and helper functions it names, recursively. Values must be plain data
-  (numbers, strings, tuples, dicts, dtypes, ops, functions, ...): anything else is rejected.
+  its code object (two lambdas on one line differ; bytecode ties it to the Python version), its
+  defaults, its closure values, and the module-level constants and same-module helper functions it
+  names, recursively. Defaults and closure values must be plain data (numbers, strings, tuples,
+  dicts, dtypes, ops, functions, ...): anything else is rejected. Other module-level objects
+  (modules, classes, library functions) are identified by name only.
 * Inductor `CustomGraphPass` object (`InductorPass`): its own ``uuid()``.
 
 Where the design comes from: Inductor's `CustomGraphPass` contract (a uuid per pass, part of the FX
@@ -117,6 +121,8 @@ class PiecewisePass(abc.ABC):
 
     #: shown in logs and timing records; defaults to the class name
     name: str = ""
+    #: more files whose code the pass runs (helpers in another module); they enter the uuid
+    source_files: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -157,6 +163,11 @@ class PiecewisePass(abc.ABC):
         """
         cls = type(self)
         files = _class_source_files(cls)
+        for path in self.source_files:
+            if not os.path.isfile(path):
+                raise ConfigError(f"pass {self.name!r}: source_files names {path!r}, which is not a readable file")
+            if path not in files:
+                files.append(path)
         try:
             options = _stable(dict(self.config()), f"{cls.__qualname__}.config()")
         except _Unstable as e:
@@ -453,13 +464,26 @@ def _global_names(code: types.CodeType) -> set[str]:
 
 
 def _code_digest(code: types.CodeType) -> str:
+    """sha256 of a code object's bytecode, names and constants (nested code included). Bytecode
+    is specific to the Python version, so a new interpreter changes function-pass uuids."""
     h = hashlib.sha256()
     h.update(code.co_code)
     h.update(repr(code.co_names).encode())
     h.update(repr(code.co_varnames).encode())
     for c in code.co_consts:
-        h.update(_code_digest(c).encode() if isinstance(c, types.CodeType) else repr(c).encode())
+        h.update(_const_repr(c).encode())
     return h.hexdigest()
+
+
+def _const_repr(c: Any) -> str:
+    # a frozenset constant (`x in {"a", "b"}`) prints in string-hash order, which varies per process
+    if isinstance(c, types.CodeType):
+        return _code_digest(c)
+    if isinstance(c, frozenset):
+        return "frozenset(" + ",".join(sorted(_const_repr(x) for x in c)) + ")"
+    if isinstance(c, tuple):
+        return "(" + ",".join(_const_repr(x) for x in c) + ")"
+    return repr(c)
 
 
 def _positional_arity(fn: Any) -> int:

@@ -1,0 +1,253 @@
+"""The traced call's signature and the check every later call must pass (SPEC §4.1, §9).
+
+Guard-free dispatch runs the code traced for the first call without asking Dynamo whether it still
+applies. `CallSignature` stands in for the guards that matter for inputs: recorded at the first
+call, checked before every later one (a few attribute reads per argument), it raises `InputError`
+naming the argument and the remedy for anything the trace could not cover:
+
+* tensors: dtype, device, rank, static dims; dynamic dims <= ``max_num_tokens``; the memory layout
+  (a traced contiguous input that arrives strided is made contiguous, any other layout change is
+  an error); tensors that were one object in the traced call must still be one object;
+* ``None`` stays ``None``; other values (numbers, strings, flags, containers of them) must equal a
+  snapshot of the traced value, type included (``1`` is not ``1.0``), so in-place edits of a
+  list are caught; containers holding tensors are checked leaf by leaf;
+* arguments left at their default must stay at it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import InputError
+
+__all__ = ["CallSignature"]
+
+_MISSING = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    device: torch.device
+    shape: tuple[int | None, ...]  # None marks a dynamic dim
+    contiguous: bool
+    strides: tuple[int, ...] | None  # static strides of a traced non-contiguous tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgSpec:
+    name: str
+    position: int | None  # index in *args, or None for a keyword
+    kind: str  # "tensor" | "none" | "value" | "default" | "tree"
+    tensor: TensorSpec | None = None
+    value: Any = None  # snapshot (value/default) or (treespec, leaf specs) for a tree
+
+
+def _fmt(shape: Sequence[int | None]) -> str:
+    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # objects without a scalar ==
+        return False
+
+
+class CallSignature:
+    """Records the first call's arguments; `check` validates later calls against them."""
+
+    def __init__(self, params: Sequence[inspect.Parameter], dynamic: Mapping[str, tuple[int, ...]], tag: str,
+                 max_num_tokens: int) -> None:
+        self.params = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        self.dynamic = dynamic
+        self.tag = tag
+        self.max_num_tokens = max_num_tokens
+        self.specs: list[ArgSpec] = []
+        self.alias_groups: list[tuple[int, ...]] = []  # spec indices that were one tensor object
+        self.required = 0  # specs that must be passed (not left at a default)
+
+    # -- recording ----------------------------------------------------------------------------
+    def _tensor_spec(self, name: str, v: torch.Tensor, dims: tuple[int, ...]) -> TensorSpec:
+        for d in dims:
+            if d >= v.dim() or d < -v.dim():
+                raise InputError(f"dynamic_arg_dims marks dim {d} of {name!r}, but it has rank {v.dim()}")
+        dyn = {d % v.dim() for d in dims}
+        shape = tuple(None if d in dyn else s for d, s in enumerate(v.shape))
+        contiguous = v.is_contiguous()
+        return TensorSpec(v.dtype, v.device, shape, contiguous, None if contiguous else tuple(v.stride()))
+
+    def record(self, args: tuple, kwargs: dict) -> None:
+        if len(args) > len(self.params):
+            raise InputError(f"[{self.tag}] {len(args)} positional arguments given; pass the extra ones by name")
+        known = {p.name for p in self.params}
+        slots: list[tuple[str, int | None, Any, Any]] = []
+        for i, p in enumerate(self.params):
+            if i < len(args):
+                slots.append((p.name, i, args[i], _MISSING))
+            elif p.name in kwargs:
+                slots.append((p.name, None, kwargs[p.name], _MISSING))
+            elif p.default is not inspect.Parameter.empty:
+                slots.append((p.name, None, _MISSING, p.default))
+        slots += [(k, None, v, _MISSING) for k, v in kwargs.items() if k not in known]  # through **kwargs
+        specs, first_index = [], {}
+        for name, pos, v, default in slots:
+            dims = self.dynamic.get(name, ())
+            if v is _MISSING:
+                if dims:
+                    raise InputError(f"dynamic_arg_dims marks {name!r}, but the first call did not pass it")
+                specs.append(ArgSpec(name, pos, "default", value=copy.deepcopy(default)))
+                continue
+            if isinstance(v, torch.Tensor):
+                spec = ArgSpec(name, pos, "tensor", self._tensor_spec(name, v, dims))
+                first_index.setdefault(id(v), []).append(len(specs))
+            elif dims:
+                raise InputError(f"dynamic_arg_dims marks {name!r}, which is a {type(v).__name__}, not a tensor")
+            elif v is None:
+                spec = ArgSpec(name, pos, "none")
+            elif type(v).__module__ == "numpy":
+                raise InputError(f"[{self.tag}] {name!r} is a numpy {type(v).__name__}; pass a torch tensor")
+            else:
+                leaves, treespec = pytree.tree_flatten(v)
+                if any(isinstance(x, torch.Tensor) for x in leaves):
+                    leaf_specs = [self._tensor_spec(name, x, ()) if isinstance(x, torch.Tensor) else copy.deepcopy(x)
+                                  for x in leaves]
+                    spec = ArgSpec(name, pos, "tree", value=(treespec, leaf_specs))
+                else:
+                    spec = ArgSpec(name, pos, "value", value=copy.deepcopy(v))
+            specs.append(spec)
+        self.specs = specs
+        self.alias_groups = [tuple(ix) for ix in first_index.values() if len(ix) > 1]
+        self.required = sum(s.kind != "default" for s in specs)
+
+    def describe(self) -> list[list[Any]]:
+        """JSON-ready description of the traced call (enters the cache key)."""
+        out: list[list[Any]] = []
+        for s in self.specs:
+            if s.kind == "tensor":
+                t = s.tensor
+                out.append([s.name, "tensor", str(t.dtype), t.device.type, ["*" if d is None else d for d in t.shape],
+                            t.contiguous])
+            elif s.kind in ("value", "default"):
+                out.append([s.name, s.kind, repr(s.value)])
+            elif s.kind == "tree":
+                out.append([s.name, "tree", str(s.value[0])])
+            else:
+                out.append([s.name, s.kind])
+        return out
+
+    def dynamic_tensors(self, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, dim) pairs to mark dynamic for the trace."""
+        out = []
+        for s in self.specs:
+            if s.kind == "tensor":
+                t = args[s.position] if s.position is not None else kwargs[s.name]
+                out += [(t, d) for d, size in enumerate(s.tensor.shape) if size is None]
+        return out
+
+    # -- checking -----------------------------------------------------------------------------
+    def _check_tensor(self, name: str, v: Any, t: TensorSpec) -> torch.Tensor:
+        if not isinstance(v, torch.Tensor):
+            raise InputError(f"[{self.tag}] {name!r} was a tensor when traced but is {type(v).__name__} now")
+        if v.dtype != t.dtype:
+            raise InputError(f"[{self.tag}] {name!r} has dtype {v.dtype}, compiled for {t.dtype}; cast it with .to({t.dtype})")
+        if v.device != t.device:
+            raise InputError(f"[{self.tag}] {name!r} is on {v.device}, compiled for {t.device}; move it there")
+        shape = v.shape
+        if len(shape) != len(t.shape):
+            raise InputError(f"[{self.tag}] {name!r} has rank {len(shape)}, compiled for rank {len(t.shape)} {_fmt(t.shape)}")
+        for d, s in enumerate(t.shape):
+            if s is None:
+                if shape[d] > self.max_num_tokens:
+                    raise InputError(f"[{self.tag}] {name!r} dim {d} is {shape[d]}, above max_num_tokens={self.max_num_tokens}; "
+                                     "split the batch or raise max_num_tokens")
+            elif shape[d] != s:
+                raise InputError(f"[{self.tag}] {name!r} has shape {tuple(shape)}, compiled for {_fmt(t.shape)}; dim {d} "
+                                 "is static. Mark it in dynamic_arg_dims or pass the traced size")
+        if t.contiguous:
+            if not v.is_contiguous():
+                return v.contiguous()  # the compiled code assumes the traced (contiguous) layout
+        elif tuple(v.stride()) != t.strides:
+            raise InputError(f"[{self.tag}] {name!r} has strides {tuple(v.stride())}, compiled for {t.strides}; pass the "
+                             "traced layout (or a contiguous tensor and recompile)")
+        return v
+
+    def check(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Validate a call; returns the arguments to run with (strided inputs made contiguous).
+
+        Raises:
+            InputError: naming the argument and the remedy.
+        """
+        if len(args) + len(kwargs) != self.required:
+            self._check_arity(args, kwargs)
+        new_args: list | None = None
+        for spec in self.specs:
+            pos = spec.position
+            if pos is not None and pos < len(args):
+                v = args[pos]
+            elif spec.name in kwargs:
+                v = kwargs[spec.name]
+            elif spec.kind == "default":
+                continue
+            else:
+                raise InputError(f"[{self.tag}] argument {spec.name!r} was passed when traced but is missing now; pass it")
+            kind = spec.kind
+            if kind == "tensor":
+                w = self._check_tensor(spec.name, v, spec.tensor)
+                if w is not v:
+                    if pos is not None and pos < len(args):
+                        new_args = new_args if new_args is not None else list(args)
+                        new_args[pos] = w
+                    else:
+                        kwargs = {**kwargs, spec.name: w}
+            elif kind == "none":
+                if v is not None:
+                    raise InputError(f"[{self.tag}] {spec.name!r} was None when traced; compile another tag for calls that pass it")
+            elif kind == "tree":
+                self._check_tree(spec, v)
+            elif not _same(v, spec.value):
+                what = "was left at its default" if kind == "default" else "is frozen into the trace"
+                raise InputError(f"[{self.tag}] {spec.name!r}={v!r} differs from the traced value {spec.value!r} (it {what}); "
+                                 "non-tensor arguments cannot change after the first call. Compile another tag for it")
+        for group in self.alias_groups:
+            first = self._value(self.specs[group[0]], args, kwargs)
+            if any(self._value(self.specs[i], args, kwargs) is not first for i in group[1:]):
+                names = [self.specs[i].name for i in group]
+                raise InputError(f"[{self.tag}] arguments {names} were one tensor when traced and differ now; the trace "
+                                 "reads only one of them. Pass distinct tensors on the first call too")
+        return (tuple(new_args) if new_args is not None else args), kwargs
+
+    def _value(self, spec: ArgSpec, args: tuple, kwargs: dict) -> Any:
+        return args[spec.position] if spec.position is not None and spec.position < len(args) else kwargs.get(spec.name)
+
+    def _check_tree(self, spec: ArgSpec, v: Any) -> None:
+        treespec, leaf_specs = spec.value
+        leaves, now = pytree.tree_flatten(v)
+        if now != treespec:
+            raise InputError(f"[{self.tag}] {spec.name!r} has structure {now}, traced with {treespec}")
+        for i, (x, ls) in enumerate(zip(leaves, leaf_specs)):
+            if isinstance(ls, TensorSpec):
+                if self._check_tensor(f"{spec.name}[{i}]", x, ls) is not x:
+                    raise InputError(f"[{self.tag}] {spec.name!r} leaf {i} is not contiguous; pass contiguous tensors in containers")
+            elif not _same(x, ls):
+                raise InputError(f"[{self.tag}] {spec.name!r} leaf {i}={x!r} differs from the traced {ls!r}")
+
+    def _check_arity(self, args: tuple, kwargs: dict) -> None:
+        names = {p.name for p in self.params[: len(args)]} | set(kwargs)
+        traced = {s.name for s in self.specs}
+        required = {s.name for s in self.specs if s.kind != "default"}
+        extra, missing = sorted(names - traced), sorted(required - names)
+        if extra or missing:
+            raise InputError(f"[{self.tag}] arguments differ from the traced call: extra {extra}, missing {missing}; "
+                             "pass the same arguments every call")

@@ -1,0 +1,170 @@
+"""What guard-free dispatch must refuse or handle: every input change the first trace did not cover
+either runs correctly or raises InputError before running (cases found by trying to break it)."""
+
+import gc
+
+import pytest
+import torch
+
+import piecewise as pw
+from piecewise import CompilationConfig, counters
+
+import piecewise.models.toy  # noqa: F401  registers the op
+
+ATTN = torch.ops.piecewise_models.toy_attention
+
+
+def _cfg(**kw):
+    kw.setdefault("backend", "eager")
+    kw.setdefault("max_num_tokens", 64)
+    return CompilationConfig(**kw)
+
+
+class Cross(torch.nn.Module):
+    def forward(self, x, ctx):
+        return ATTN(x, ctx, ctx)
+
+
+def test_tensors_aliased_in_the_trace_must_stay_aliased():
+    m = Cross()
+    cm = pw.compile(m, _cfg(), dynamic_arg_dims={"x": 0, "ctx": 0})
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(cm(x, x), m(x, x))
+    with pytest.raises(pw.InputError, match="were one tensor"):
+        cm(torch.randn(4, 8), torch.randn(4, 8))
+
+
+class Scaled(torch.nn.Module):
+    def forward(self, ids, k):
+        return ATTN(ids.float(), ids.float(), ids.float()), ids * k
+
+
+def test_non_tensor_argument_must_keep_its_type():
+    cm = pw.compile(Scaled(), _cfg(), dynamic_arg_dims={"ids": 0})
+    ids = torch.randint(0, 9, (3, 4))
+    cm(ids, 1)
+    for other in (1.0, True):
+        with pytest.raises(pw.InputError, match="differs from the traced value"):
+            cm(ids, other)
+
+
+class ListArg(torch.nn.Module):
+    def forward(self, x, w):
+        return ATTN(x, x, x) * w[0]
+
+
+def test_in_place_edit_of_a_list_argument_is_caught():
+    cm = pw.compile(ListArg(), _cfg(), dynamic_arg_dims={"x": 0})
+    w = [1.0]
+    cm(torch.randn(3, 4), w)
+    w[0] = 3.0
+    with pytest.raises(pw.InputError, match="'w'"):
+        cm(torch.randn(3, 4), w)
+
+
+class TupleArg(torch.nn.Module):
+    def forward(self, x, kv):
+        return ATTN(x, kv[0], kv[1])
+
+
+def test_tuple_of_tensors_argument_is_checked_leaf_by_leaf():
+    m = TupleArg()
+    cm = pw.compile(m, _cfg(), dynamic_arg_dims={"x": 0})
+    for _ in range(3):
+        x, kv = torch.randn(3, 4), (torch.randn(3, 4), torch.randn(3, 4))
+        torch.testing.assert_close(cm(x, kv), m(x, kv))
+    with pytest.raises(pw.InputError, match="dtype"):
+        cm(torch.randn(3, 4), (torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64)))
+    with pytest.raises(pw.InputError, match="structure"):
+        cm(torch.randn(3, 4), [torch.randn(3, 4)])
+
+
+class WithDefault(torch.nn.Module):
+    def forward(self, x, flag: bool = True):
+        return ATTN(x, x, x) * (2 if flag else 3)
+
+
+def test_default_argument_may_be_passed_explicitly_with_the_same_value():
+    m = WithDefault()
+    cm = pw.compile(m, _cfg(), dynamic_arg_dims={"x": 0})
+    x = torch.randn(3, 4)
+    cm(x)
+    torch.testing.assert_close(cm(x, flag=True), m(x, flag=True))
+    with pytest.raises(pw.InputError, match="default"):
+        cm(x, flag=False)
+
+
+def test_top_level_forward_hooks_are_refused():
+    m = Cross()
+    m.register_forward_hook(lambda mod, inp, out: out * 10)
+    cm = pw.compile(m, _cfg(), dynamic_arg_dims={"x": 0, "ctx": 0})
+    with pytest.raises(pw.ConfigError, match="hooks"):
+        cm(torch.randn(3, 4), torch.randn(3, 4))
+
+
+def test_changed_module_attribute_is_detected_in_debug_mode():
+    class Temp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.temperature = 1.0
+
+        def forward(self, x):
+            return ATTN(x, x, x) / self.temperature
+
+    m = Temp()
+    cm = pw.compile(m, _cfg(debug=True), dynamic_arg_dims={"x": 0})
+    cm(torch.randn(3, 4))
+    m.temperature = 2.0
+    with pytest.raises(pw.GuardFailureError):
+        cm(torch.randn(3, 4))
+
+
+def test_same_class_compiled_many_times_in_one_process():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return ATTN(self.lin(x), x, x)
+
+    for _ in range(12):  # above Dynamo's recompile limit of 8 per code object
+        m = M()
+        cm = pw.compile(m, _cfg(), dynamic_arg_dims={"x": 0})
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(cm(x), m(x))
+        del cm
+        gc.collect()
+
+
+def test_unmarked_tied_dim_gives_a_config_error_naming_the_remedy():
+    class Tied(torch.nn.Module):
+        def forward(self, x, pos):
+            return ATTN(x + pos, x, x)
+
+    cm = pw.compile(Tied(), _cfg(), dynamic_arg_dims={"x": 0})
+    with pytest.raises(pw.ConfigError, match="dynamic_arg_dims"):
+        cm(torch.randn(3, 4), torch.randn(3, 4))
+
+
+def test_strided_input_runs_like_eager_with_inductor():
+    class Res(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.lin(x) + x
+            return ATTN(h, h, h)
+
+    m = Res()
+    cm = pw.compile(m, _cfg(backend="inductor"), dynamic_arg_dims={"x": 0})
+    cm(torch.randn(5, 16))
+    with counters.expect(recompiles=0, compiler_invocations=0):
+        for x in (torch.randn(5, 32)[:, ::2], torch.randn(16, 7).t(), torch.randn(1, 16).expand(6, 16)):
+            torch.testing.assert_close(cm(x), m(x), rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_backend_fails_at_compile_time():
+    with pytest.raises(pw.ConfigError, match="nope"):
+        pw.compile(Cross(), _cfg(backend="nope"), dynamic_arg_dims={"x": 0})
