@@ -183,3 +183,34 @@ def test_reference_decoder_decode_under_graphs_equals_eager(mode):
             out = decode(cm, model)
         assert out.tokens == ref.tokens
         assert counters.by_tag[cm.tag].graph_replays > 0
+
+
+def test_sub_batch_replay_gathers_rows_pads_and_slices():
+    from piecewise.graphs.subbatch import SubBatchReplay
+
+    lin = torch.nn.Linear(8, 8)
+
+    def head(h, bias):
+        return torch.tanh(lin(h) + bias), h.sum(-1)
+
+    with torch.no_grad(), fake_cpu_platform() as plat:
+        sub = SubBatchReplay(head, capture_sizes=[2, 4, 8], max_rows=8, tag="draft")
+        gen = torch.Generator().manual_seed(0)
+        for n in (3, 1, 4, 7, 3, 8):
+            batch, bias = torch.randn(16, 8, generator=gen), torch.randn(16, 8, generator=gen)
+            index = torch.randperm(16, generator=gen)[:n]
+            got = sub(index, batch, bias)
+            want = head(batch[index], bias[index])
+            assert got[0].shape == (n, 8) and got[1].shape == (n,)
+            torch.testing.assert_close(got, want)
+        # sizes seen twice were captured (one warm-up first); size 2 was seen once
+        assert sorted(set(plat.captured_sizes)) == [4, 8]
+        sub(torch.arange(3), batch, bias)
+        assert sub.buffers[0][3:4].abs().sum() == 0  # the pad row of a 3-row call is zero
+    assert sum(g.replays for g in plat.graphs) > 3
+    # above the largest capture size: runs directly
+    with torch.no_grad(), fake_cpu_platform():
+        sub = SubBatchReplay(head, capture_sizes=[2], max_rows=8)
+        batch, bias = torch.randn(16, 8), torch.randn(16, 8)
+        index = torch.arange(5)
+        torch.testing.assert_close(sub(index, batch, bias), head(batch[index], bias[index]))

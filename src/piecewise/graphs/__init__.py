@@ -2,6 +2,7 @@
 
 from .dispatch import GraphDispatcher, batch_hint
 from .platform import CudaPlatform, GraphPlatform, register_platform, resolve_platform
+from .subbatch import SubBatchReplay
 from .wrapper import GraphEntry, GraphRunner, Phase, PieceGraphWrapper
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "GraphRunner",
     "Phase",
     "PieceGraphWrapper",
+    "SubBatchReplay",
     "batch_hint",
     "register_platform",
     "resolve_platform",
