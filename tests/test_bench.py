@@ -28,8 +28,15 @@ def test_worker_measures_and_counts_no_recompiles():
                "warm_compile_vs_full_warm": 0.25, "recompiles": 0},
            "startup": {"full/1": {"cold": fake_full, "warm": fake_full}, "piecewise-inductor/1": {"cold": pw, "warm": pw}},
            "steady": {"eager": eager, "full": fake_full, "piecewise-inductor": pw, "piecewise-eager": pw}}
+    from piecewise.bench.suite import padding_waste_report
+    from piecewise.bench.worker import dispatch_overhead
+
+    res["dispatch"] = dispatch_overhead(layers=2, calls=200)
+    assert res["dispatch"]["pieces"] == 5 and res["dispatch"]["us_per_piece"] < 1000
+    res["padding"] = padding_waste_report(max_size=64)
+    assert res["padding"]["planned"]["pad_rows"] <= res["padding"]["default"]["pad_rows"]
     res["summary"] = summarize(res, BenchConfig(layers=(1,), batches=(1, 4)))
     d = res["summary"]["dispatch"][1]
     assert abs(d["us_per_piece"] - (pw["latency"]["4"]["median_us"] - eager["latency"]["4"]["median_us"]) / 3) < 1e-6
     md = to_markdown(res)
-    assert "| 4 |" in md and "Dispatch overhead per piece" in md
+    assert "| 4 |" in md and "Dispatch overhead per piece" in md and "| planned |" in md

@@ -117,7 +117,7 @@ class CompiledModel:
             if fast is None:
                 return self._first_call(args, kwargs)
             args, kwargs = self._signature.check(args, kwargs)
-            if self.config.debug:
+            if self.config.debug and self._guards is not None:
                 self._check_guards(args, kwargs)
             return fast(self.module, *args, **kwargs)
 

@@ -59,15 +59,64 @@ def _compiled(system: str, model, max_tokens: int):
                       dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
 
 
+def dispatch_overhead(layers: int = 16, calls: int = 3000) -> dict:
+    """Per-piece cost of piecewise dispatch, with compute made negligible: a toy transformer of
+    width 4 at one token, eager vs piecewise with eager pieces, calls interleaved (A, B, A, B...)
+    so machine noise hits both alike; medians of per-call times."""
+    import piecewise as pw
+    from piecewise.models.toy import ToyTransformer
+
+    model = ToyTransformer(num_layers=layers, dim=4)
+    cm = pw.compile(model, pw.CompilationConfig(backend="eager", max_num_tokens=8, tag="bench_dispatch"),
+                    dynamic_arg_dims={"x": 0})
+    x = torch.randn(1, 4)
+    cm(x)
+    ta, tb = [], []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        model(x)
+        t1 = time.perf_counter()
+        cm(x)
+        t2 = time.perf_counter()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    pieces = len(cm.backend.split.items)
+    eager_us, pw_us = statistics.median(ta) * 1e6, statistics.median(tb) * 1e6
+    # The stitching cost of one piece: its runner (entry lookup + call) against calling the
+    # compiled callable directly, on the arguments the piece really receives.
+    split_gm = cm.backend.split.split_module
+    runner = cm.backend.runners[1]
+    seen: list[tuple] = []
+    split_gm.__dict__[runner.name] = lambda *a: (seen.append(a), runner(*a))[1]
+    cm(x)
+    split_gm.__dict__[runner.name] = runner
+    args, direct = seen[0], runner.callables[runner.state.entry]
+    tr, td = [], []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        runner(*args)
+        t1 = time.perf_counter()
+        direct(*args)
+        t2 = time.perf_counter()
+        tr.append(t1 - t0)
+        td.append(t2 - t1)
+    return {"system": "dispatch", "layers": layers, "pieces": pieces, "eager_us": eager_us, "piecewise_eager_us": pw_us,
+            "model_delta_us_per_piece": (pw_us - eager_us) / pieces,
+            "us_per_piece": (statistics.median(tr) - statistics.median(td)) * 1e6}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--system", required=True, choices=["eager", "full", "piecewise-inductor", "piecewise-eager"])
+    ap.add_argument("--system", required=True, choices=["eager", "full", "piecewise-inductor", "piecewise-eager", "dispatch"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--steps", type=int, default=0, help="steady-state steps per batch size (0: skip)")
     ap.add_argument("--sizes", type=int, default=0, help="also run this many distinct sizes and count recompiles")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
+    if args.system == "dispatch":
+        print(json.dumps(dispatch_overhead()))
+        return 0
     gen = torch.Generator().manual_seed(0)
     cfg, model = _model(args.layers)
     max_tokens = max(64, args.sizes)

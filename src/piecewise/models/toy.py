@@ -26,7 +26,7 @@ def toy_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     count is read from the device tensor of the forward context when there is one, so the op stays
     correct when captured inside a full graph."""
     ctx = forward_context()
-    if ctx is None:
+    if ctx is None or (ctx.num_tokens == ctx.padded_num_tokens and ctx.runtime_mode != "full"):
         scores = (q.float() @ k.float().t()) / q.shape[-1] ** 0.5
         return (scores.softmax(-1) @ v.float()).to(q.dtype)
     rows = torch.arange(q.shape[0], device=q.device)
