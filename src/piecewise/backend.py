@@ -218,7 +218,7 @@ class PiecewiseBackend:
                     fp = piece_fingerprint(item.graph, args)
                     runner = PieceRunner(item.name, item.index, item.graph, state, fp)
                     if fp not in compiled_by_fp:
-                        compiled_by_fp[fp] = backend._compile_piece(item.graph, args, table, symbol)
+                        compiled_by_fp[fp] = backend._compile_piece(item.graph, args, table, symbol, fp)
                     runner.callables = compiled_by_fp[fp]
                     backend.runners.append(runner)
                     progress.update(1)
@@ -245,11 +245,11 @@ class PiecewiseBackend:
             stitched.graphs = install_graphs(self, stitched, fake_inputs, fake_outputs, symbol)
         return stitched
 
-    def _compile_piece(self, graph: torch.fx.GraphModule, args: Sequence[Any], table: EntryTable, symbol: Any) -> list[Callable[..., Any]]:
+    def _compile_piece(self, graph: torch.fx.GraphModule, args: Sequence[Any], table: EntryTable, symbol: Any,
+                       fingerprint: str) -> list[Callable[..., Any]]:
         """Compile one distinct piece for every entry; returns the callables in entry order."""
         out: list[Callable[..., Any]] = []
         shared: CompiledPiece | None = None
-        fingerprint = piece_fingerprint(graph, args)
         for entry in table.entries:
             if shared is not None and not self.adaptor.specializes_sizes:
                 out.append(shared.fn)
