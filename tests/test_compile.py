@@ -155,9 +155,25 @@ def test_piecewise_without_split_points_falls_back_loudly():
             cm(torch.randn(3, 4))
 
 
-def test_torch_internal_module_gives_a_clear_error():
-    cm = pw.compile(torch.nn.Linear(4, 4), _cfg(), dynamic_arg_dims={"input": 0})
-    with pytest.raises(pw.CompileError, match="wrap"):
+def test_torch_builtin_module_compiles_directly():
+    lin = torch.nn.Linear(4, 4)
+    cm = pw.compile(lin, _cfg(), dynamic_arg_dims={"input": 0})
+    with pytest.warns(UserWarning, match="none of the splitting ops"):
+        cm(torch.randn(3, 4))
+    with counters.expect(dynamo_traces=0, recompiles=0):
+        for n in (1, 5, 9):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(cm(x), lin(x))
+
+
+def test_graph_break_gives_a_clear_error():
+    class Breaks(torch.nn.Module):
+        def forward(self, x):
+            print("side effect")  # a graph break under full-graph capture
+            return x * 2
+
+    cm = pw.compile(Breaks(), _cfg(), dynamic_arg_dims={"x": 0})
+    with pytest.raises(pw.CompileError, match="cannot be captured as one graph"):
         cm(torch.randn(3, 4))
 
 

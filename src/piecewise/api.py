@@ -1,8 +1,8 @@
 """`piecewise.compile`: the compile entry and guard-free dispatch (SPEC §4.1).
 
-The first call marks the dynamic dims, traces the model once with Dynamo (``fullgraph=True``)
-and compiles it through a `PiecewiseBackend`. Dynamo's transformed bytecode for ``forward`` is
-captured with a bytecode hook and wrapped in a plain function; every later call runs that function
+The first call marks the dynamic dims, traces the model once with Dynamo (full-graph capture,
+`piecewise.capture`) and compiles it through a `PiecewiseBackend`. Dynamo's transformed bytecode for
+``forward`` is wrapped in a plain function; every later call runs that function
 directly, so Dynamo's guards are never evaluated again.
 
 Consequence, by design: Python branches that depend on shapes or on non-tensor arguments are frozen
@@ -26,11 +26,11 @@ dynamic dim (Dynamo otherwise treats sizes 0 and 1 as constants).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
 import time
-import types
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -39,6 +39,8 @@ from typing import Any
 import torch
 
 from .backend import PiecewiseBackend
+from .cache.bundle import WarmStart
+from .capture import Capture, capture
 from .config import CompilationConfig
 from .counters import counters
 from .errors import CompileError, ConfigError, GuardFailureError
@@ -123,11 +125,15 @@ class CompiledModel:
 
     forward = __call__
 
-    def _check_guards(self, args: tuple, kwargs: dict) -> None:
-        """Debug mode: evaluate the first trace's Dynamo guards on this call's frame locals."""
+    def _f_locals(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The frame locals ``forward`` would see for this call (what Dynamo's guards read)."""
         bound = inspect.signature(self._forward_fn).bind(self.module, *args, **kwargs)
         bound.apply_defaults()
-        f_locals = dict(bound.arguments)
+        return dict(bound.arguments)
+
+    def _check_guards(self, args: tuple, kwargs: dict) -> None:
+        """Debug mode: evaluate the first trace's Dynamo guards on this call's frame locals."""
+        f_locals = self._f_locals(args, kwargs)
         if not self._guards.check(f_locals):
             failed = self._guards.check_verbose(f_locals).verbose_code_parts
             raise GuardFailureError(
@@ -146,66 +152,75 @@ class CompiledModel:
                 )
             self._signature.record(args, kwargs)
             args, kwargs = self._signature.check(args, kwargs)
-            for t, d in self._signature.dynamic_tensors(args, kwargs):
-                torch._dynamo.mark_dynamic(t, d)
-            self.backend = PiecewiseBackend(self.config, self.tag, call_signature=self._signature.describe())
             t0 = time.perf_counter()
-            out, code = self._trace(args, kwargs)
-            total = time.perf_counter() - t0
+            start = WarmStart.open(self, args, kwargs)
+            if start is not None and start.fast is not None:
+                self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
+                out = start.fast(self.module, *args, **kwargs)
+                total = time.perf_counter() - t0
+                self.timings = {"first_call": total, **self.backend.timings, "bundle_load": start.seconds, "dynamo": 0.0}
+                log.info("[%s] warm start from the bundle: first call %.3fs (bundle %.3fs, artifacts %.3fs), no trace",
+                         self.tag, total, start.seconds, self.backend.timings.get("cache_load", 0.0))
+                return out
+            self.backend = PiecewiseBackend(self.config, self.tag, call_signature=self._signature.describe(),
+                                            preloaded=start.preloaded if start is not None else None)
+            with _marked_dynamic(self._signature.dynamic_tensors(args, kwargs)):
+                cap = self._trace(args, kwargs)
             counters.bump("dynamo_traces", tag=self.tag)
+            self._guards = cap.guard_manager
+            fast = cap.function(self._forward_fn.__globals__)
+            self._fast = fast
+            if start is not None:
+                start.save(self.backend, cap)
+            out = fast(self.module, *args, **kwargs)
+            total = time.perf_counter() - t0
             self.timings = {"first_call": total, **self.backend.timings}
             self.timings["dynamo"] = max(0.0, total - sum(self.backend.timings.values()))
-            fn = self._forward_fn
-            fast = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-            fast.__kwdefaults__ = fn.__kwdefaults__
-            self._fast = fast
             log.info("[%s] first call %.3fs (dynamo %.3fs, split %.3fs, compile %.3fs)", self.tag, total,
                      self.timings["dynamo"], self.timings.get("split", 0.0), self.timings.get("compile", 0.0))
             return out
 
-    def _trace(self, args: tuple, kwargs: dict) -> tuple[Any, types.CodeType]:
+    def _trace(self, args: tuple, kwargs: dict) -> Capture:
         import torch._dynamo.exc
         import torch.fx.experimental._config as fx_config
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
-        from torch._dynamo.convert_frame import register_bytecode_hook
 
-        target = self._forward_fn.__code__
-        captured: list[types.CodeType] = []
-
-        def hook(old: types.CodeType, new: types.CodeType) -> None:
-            if old is target:
-                captured.append(new)
-
-        handle = register_bytecode_hook(hook)
         try:
-            fn = torch.compile(self.module.forward, backend=self.backend, fullgraph=True)
             with fx_config.patch(backed_size_oblivious=True):
-                out = fn(*args, **kwargs)
+                return capture(self.module, args, kwargs, self.backend, full_guards=self.config.debug)
         except (torch._dynamo.exc.UserError, ConstraintViolationError) as e:
             raise ConfigError(
                 f"[{self.tag}] tracing failed: {str(e).splitlines()[0]}. Usually an input dim is tied to a dim marked "
                 "dynamic but is not marked itself (add it to dynamic_arg_dims), or the model fixes a dim marked "
                 "dynamic (remove it)"
             ) from e
-        finally:
-            handle.remove()
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-        from torch._dynamo.eval_frame import remove_from_cache
-
-        entries = _debug_get_cache_entry_list(target)
-        self._guards = entries[0].guard_manager if entries else None
-        # Dispatch never consults Dynamo's cache again: drop the entry so it does not hold this model
-        # alive or count toward Dynamo's recompile limit when the same class is compiled again.
-        remove_from_cache(target)
-        if len(captured) != 1:
+        except torch._dynamo.exc.Unsupported as e:
             raise CompileError(
-                f"[{self.tag}] Dynamo produced {len(captured)} transformed versions of {type(self.module).__name__}.forward, "
-                "expected 1. Dynamo skips frames inside torch itself: wrap a built-in module in a module of your own"
-            )
-        return out, captured[0]
+                f"[{self.tag}] {type(self.module).__name__}.forward cannot be captured as one graph: "
+                f"{str(e).splitlines()[0]}. Make the code traceable or register the op as a splitting op"
+            ) from e
 
     def __repr__(self) -> str:
         return f"CompiledModel({type(self.module).__name__}, tag={self.tag!r}, mode={self.config.mode!r}, backend={self.config.backend!r})"
+
+
+_MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides", "_specialize_on",
+          "_has_dynamo_dim_marking")
+
+
+@contextlib.contextmanager
+def _marked_dynamic(pairs: list[tuple[torch.Tensor, int]]):
+    """Mark (tensor, dim) pairs dynamic for one trace, then take the marks off again: marks left on
+    a caller's tensor would make the next model's bundle guards refuse that tensor."""
+    unmarked = [t for t, _ in pairs if not hasattr(t, "_dynamo_dynamic_indices")]
+    try:
+        for t, d in pairs:
+            torch._dynamo.mark_dynamic(t, d)
+        yield
+    finally:
+        for t in unmarked:
+            for name in _MARKS:
+                t.__dict__.pop(name, None)
 
 
 def compile(

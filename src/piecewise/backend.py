@@ -95,8 +95,11 @@ class PiecewiseBackend:
     graph).
     """
 
-    def __init__(self, config: CompilationConfig, tag: str, call_signature: Sequence[Any] | None = None) -> None:
+    def __init__(self, config: CompilationConfig, tag: str, call_signature: Sequence[Any] | None = None,
+                 preloaded: dict[str, Callable[..., Any]] | None = None) -> None:
         self.config = config
+        #: artifacts already loaded by a warm start that fell back to tracing, by name (not reloaded)
+        self.preloaded: dict[str, Callable[..., Any]] = dict(preloaded or {})
         self.tag = tag
         self.call_signature = list(call_signature or [])
         self.cache: CacheEntry | None = None
@@ -112,6 +115,10 @@ class PiecewiseBackend:
         self.traced_files: set[str] = set()
         self.timings: dict[str, float] = {}
         self.graph_code = ""
+        self._recipes: dict[str, list[list[Any]] | None] = {}
+        self._sym_index: int | None = None
+        self._graph_plan: dict[str, Any] | None = None
+        self._device = "cpu"
 
     # -- phases -------------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -205,7 +212,6 @@ class PiecewiseBackend:
         table: EntryTable
         symbol: Any = None
         state = DispatchState()
-        split_gm = split.split_module
         by_name = {it.name: it for it in split.items}
         compiled_by_fp: dict[str, list[Callable[..., Any]]] = {}
         progress = _progress(len(split.items) - split.num_splitting, f"compiling {self.tag}")
@@ -225,12 +231,24 @@ class PiecewiseBackend:
                 return super().call_module(target, args, kwargs)
 
         sym_index = next((i for i, x in enumerate(fake_inputs) if isinstance(x, torch.SymInt)), None)
+        self._device = next((x.device.type for x in fake_inputs if isinstance(x, torch.Tensor)), "cpu")
         symbol = dispatch_symbol(fake_inputs) if sym_index is not None else None
         self.table = table = EntryTable(self.config, dynamic=sym_index is not None)
         # Inference only: pieces compile without autograd (no joint graphs), whatever the caller's mode.
         with fake_mode, enable_python_dispatcher(), torch.no_grad():
-            fake_outputs = _Propagate(split_gm).run(*fake_inputs)
+            fake_outputs = _Propagate(split.split_module).run(*fake_inputs)
         progress.close()
+        graph_plan = None
+        if sym_index is not None:
+            from .graphs.setup import graph_plan as plan_graphs
+
+            graph_plan = plan_graphs(fake_inputs, fake_outputs, symbol, self.tag)
+        return self._stitch(split, state, sym_index, graph_plan)
+
+    def _stitch(self, split: SplitResult, state: DispatchState, sym_index: int | None,
+                graph_plan: dict[str, Any] | None) -> StitchedForward:
+        """Install the runners and splitting pieces in the split module; wrap it for dispatch."""
+        split_gm = split.split_module
         # Instance attributes win over nn.Module.__getattr__, so the generated forward calls these
         # directly; splitting pieces skip Module.__call__ overhead through their bound forward.
         for item in split.items:
@@ -238,27 +256,100 @@ class PiecewiseBackend:
                 split_gm.__dict__[item.name] = fx_forward(item.graph)
         for runner in self.runners:
             split_gm.__dict__[runner.name] = runner
-        stitched = StitchedForward(split_gm, table, state, sym_index, self.tag, self.config.max_num_tokens)
-        if sym_index is not None:
+        self._sym_index, self._graph_plan = sym_index, graph_plan
+        stitched = StitchedForward(split_gm, self.table, state, sym_index, self.tag, self.config.max_num_tokens)
+        if graph_plan is not None:
             from .graphs.setup import install_graphs
 
-            stitched.graphs = install_graphs(self, stitched, fake_inputs, fake_outputs, symbol)
+            stitched.graphs = install_graphs(self, stitched, graph_plan)
         return stitched
+
+    # -- warm start (piecewise.cache.bundle) ----------------------------------------------------
+    def plan(self) -> dict[str, Any]:
+        """How to rebuild this backend's `StitchedForward` from the cache without tracing, as plain
+        data: runners in call order with fingerprints, per fingerprint one recipe per entry
+        (``["artifact", name]`` to load, ``["same", j]`` to reuse entry j, ``["rebuild"]`` for an
+        adaptor that rebuilds from the piece graph), dispatch index, graph-capture plan.
+
+        Raises:
+            CompileError: a piece has no saved artifact (its compile was not serialisable, or the
+                cache is not writable), so a warm start could not rebuild it.
+        """
+        missing = [fp for fp, r in self._recipes.items() if r is None]
+        if missing:
+            raise CompileError(f"{len(missing)} distinct piece(s) have no saved artifact")
+        return {
+            "runners": [[r.name, r.index, r.fingerprint] for r in self.runners],
+            "recipes": dict(self._recipes),
+            "sym_index": self._sym_index,
+            "graph_plan": self._graph_plan,
+            "cache_key": self.cache.key if self.cache is not None else None,
+            "cache_meta": getattr(self, "_cache_meta", None),
+            "traced_files": sorted(self.traced_files),
+            "splitting": [it.index for it in self.split.items if it.is_splitting],
+            "device": self._device,
+        }
+
+    def restore(self, split: SplitResult, plan: dict[str, Any], cache: CacheEntry) -> StitchedForward:
+        """The `StitchedForward` of `plan` over `split`, every compiled piece loaded from `cache`
+        (an opened compile entry); nothing is traced or compiled.
+
+        Raises:
+            CompileError: an artifact is missing or unusable (it was reported and moved aside); the
+                caller traces instead, which recompiles just that piece.
+        """
+        self.split, self.cache = split, cache
+        self.traced_files = set(plan["traced_files"])
+        self.timings["cache_load"] = 0.0
+        by_name = {it.name: it for it in split.items}
+        state = DispatchState()
+        self.table = EntryTable(self.config, dynamic=plan["sym_index"] is not None)
+        callables: dict[str, list[Callable[..., Any]]] = {}
+        for name, index, fp in plan["runners"]:
+            graph = by_name[name].graph
+            if fp not in callables:
+                out: list[Callable[..., Any]] = []
+                for recipe in plan["recipes"][fp]:
+                    if recipe[0] == "same":
+                        out.append(out[recipe[1]])
+                    elif recipe[0] == "rebuild":
+                        out.append(self.adaptor.compile(graph, (), CompileTarget()).fn)
+                    else:
+                        fn = self._load_artifact(recipe[1], graph)
+                        if fn is None:
+                            raise CompileError(f"artifact {recipe[1]} is not in the cache")
+                        out.append(fn)
+                callables[fp] = out
+            runner = PieceRunner(name, index, graph, state, fp)
+            runner.callables = callables[fp]
+            self.runners.append(runner)
+        n_split = split.num_splitting
+        counters.bump("cache_hits", tag=self.tag)
+        counters.bump("pieces_seen", len(split.items), tag=self.tag)
+        counters.bump("splitting_pieces", n_split, tag=self.tag)
+        counters.bump("pieces_compiled", len(split.items) - n_split, tag=self.tag)
+        self.compiled = self._stitch(split, state, plan["sym_index"], plan["graph_plan"])
+        return self.compiled
 
     def _compile_piece(self, graph: torch.fx.GraphModule, args: Sequence[Any], table: EntryTable, symbol: Any,
                        fingerprint: str) -> list[Callable[..., Any]]:
-        """Compile one distinct piece for every entry; returns the callables in entry order."""
+        """Compile one distinct piece for every entry; returns the callables in entry order and
+        records how a warm start rebuilds them (`plan`)."""
         out: list[Callable[..., Any]] = []
+        recipe: list[list[Any]] = []
+        restorable = True
         shared: CompiledPiece | None = None
         for entry in table.entries:
             if shared is not None and not self.adaptor.specializes_sizes:
                 out.append(shared.fn)
+                recipe.append(["same", 0])
                 continue
             target = CompileTarget(entry.target.compile_range, entry.target.size, symbol)
             name = f"{fingerprint[:32]}.{target.key}"
             loaded = self._load_artifact(name, graph)
             if loaded is not None:
                 out.append(loaded)
+                recipe.append(["artifact", name])
                 continue
             t0 = time.perf_counter()
             try:
@@ -268,21 +359,33 @@ class PiecewiseBackend:
                     raise
                 # A size this piece cannot specialise on runs the general/range code instead.
                 log.warning("[%s] %s; using the symbolic compile for %s", self.tag, e, target.label)
-                out.append(out[_symbolic_entry_for(table, entry.target.size)])
+                j = _symbolic_entry_for(table, entry.target.size)
+                out.append(out[j])
+                recipe.append(["same", j])
                 continue
             counters.bump("compiler_invocations", tag=self.tag)
             log.debug("[%s] compiled a piece for %s in %.3fs", self.tag, target.label, time.perf_counter() - t0)
+            saved = False
             if self.cache is not None and piece.payload is not None:
-                self.cache.save_artifact(name, piece.payload)
+                saved = self.cache.save_artifact(name, piece.payload)
                 counters.bump("artifacts_saved", tag=self.tag)
+            if saved:
+                recipe.append(["artifact", name])
+            elif not self.adaptor.saves_artifacts and self.adaptor.rebuilds_from_graph:
+                recipe.append(["rebuild"])
+            else:
+                restorable = False
             shared = shared or piece
             out.append(piece.fn)
+        self._recipes[fingerprint] = recipe if restorable else None
         return out
 
     def _load_artifact(self, name: str, graph: torch.fx.GraphModule) -> Callable[..., Any] | None:
         """A callable loaded from the cache, or None (not cached, or bad: reported and moved aside)."""
         if self.cache is None or not self.adaptor.saves_artifacts:
             return None
+        if name in self.preloaded:
+            return self.preloaded[name]
         t0 = time.perf_counter()
         try:
             payload = self.cache.load_artifact(name)
@@ -294,6 +397,7 @@ class PiecewiseBackend:
                 self.cache.reject_artifact(name, f"artifact failed to load ({type(e).__name__}: {e})")
                 return None
             counters.bump("cache_loads", tag=self.tag)
+            self.preloaded[name] = fn
             return fn
         finally:
             self.timings["cache_load"] += time.perf_counter() - t0

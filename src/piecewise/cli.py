@@ -51,7 +51,8 @@ def _cache(args: argparse.Namespace) -> int:
         for e in entries:
             when = datetime.datetime.fromtimestamp(e.created).isoformat(timespec="seconds") if e.created else "-"
             state = "ok" if e.valid else e.problem
-            print(f"  {e.rel}  {e.artifacts} artifacts  {e.bytes / 1e6:.2f} MB  {when}  {state}")
+            kind = "  warm-start bundle" if e.kind == "bundle" else ""
+            print(f"  {e.rel}  {e.artifacts} artifacts  {e.bytes / 1e6:.2f} MB  {when}  {state}{kind}")
         return 0
     if cmd == "show":
         e = tools.find_entry(root, args.entry)

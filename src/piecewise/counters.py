@@ -35,6 +35,9 @@ class _Tally:
     cache_loads: int = 0  # artifacts loaded from disk
     artifacts_saved: int = 0
     cache_errors: int = 0  # bad entries found (reported, moved aside)
+    bundle_hits: int = 0  # warm starts rebuilt from a bundle, without a trace
+    bundle_misses: int = 0  # first calls that looked for a bundle and traced instead
+    bundles_saved: int = 0
     capturable_pieces: int = 0
     graphs_captured: int = 0
     graph_replays: int = 0

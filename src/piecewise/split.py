@@ -60,6 +60,19 @@ class SplitResult:
     def num_splitting(self) -> int:
         return sum(i.is_splitting for i in self.items)
 
+    @classmethod
+    def from_module(cls, split_gm: torch.fx.GraphModule, splitting: Iterable[int]) -> SplitResult:
+        """The result for a split module whose ``submod_<id>`` children are the pieces; `splitting`
+        holds the ids of the splitting pieces."""
+        splitting = set(splitting)
+        items = []
+        for name, sub in split_gm.named_children():
+            if name.startswith("submod_"):
+                index = int(name[len("submod_"):])
+                items.append(SplitItem(name, index, index in splitting, sub))
+        items.sort(key=lambda it: it.index)
+        return cls(split_gm, items)
+
 
 def _target_name(target: object) -> str | None:
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
@@ -165,11 +178,4 @@ def split_graph(gm: torch.fx.GraphModule, split_ops: Iterable[str]) -> SplitResu
         )
     except Exception as e:  # split_module raises bare Exceptions of several types
         raise SplitError(f"could not split the graph at {sorted(ops)}: {e}") from e
-    items = []
-    for name, sub in split_gm.named_children():
-        if not name.startswith("submod_"):
-            continue
-        index = int(name[len("submod_"):])
-        items.append(SplitItem(name, index, index in splitting_ids, sub))
-    items.sort(key=lambda it: it.index)
-    return SplitResult(split_gm, items)
+    return SplitResult.from_module(split_gm, splitting_ids)

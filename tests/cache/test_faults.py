@@ -102,7 +102,8 @@ def _corruption_trials(tmp_path, n, backend, seed):
     pristine = str(tmp_path / "pristine")
     model = _populate(pristine, backend)
     files = _entry_files(pristine)
-    assert len(files) == 7  # the index + 3 distinct pieces x (general, size 4)
+    assert len(files) == 9  # index + 3 distinct pieces x (general, size 4); bundle index + bundle
+    bundle_keys = {e.key for e in tools.list_entries(pristine) if e.kind == "bundle"}
     for t in range(n):
         root = str(tmp_path / f"t{t}")
         subprocess.run(["cp", "-a", pristine, root], check=True)
@@ -111,12 +112,16 @@ def _corruption_trials(tmp_path, n, backend, seed):
         delta, reported = _run(root, model, backend)  # asserts equality with eager at every size
         assert delta.get("cache_errors", 0) == 1, (t, victim, sorted(delta.items()))
         assert len(reported) == 1, (t, victim, reported)
-        assert delta.get("compiler_invocations", 0) >= 1
+        assert delta.get("dynamo_traces", 0) == 1  # a damaged entry never serves a warm start
+        if os.path.relpath(victim, root).split(os.sep)[0] not in bundle_keys:  # a damaged bundle retraces; pieces load
+            assert delta.get("compiler_invocations", 0) >= 1
         problems, _ = tools.verify(root)
         assert problems == [], (t, problems)
         # the rewritten entry now hits completely
         delta, reported = _run(root, model, backend)
         assert delta.get("compiler_invocations", 0) == 0 and not reported
+        assert delta.get("bundle_hits", 0) == 1 and delta.get("dynamo_traces", 0) == 0
+
 
 
 def test_corruption_always_detected_reported_once_and_recompiled(tmp_path, monkeypatch):
@@ -133,7 +138,7 @@ def test_one_deleted_artifact_recompiles_only_that_piece(tmp_path, monkeypatch):
     root = str(tmp_path / "r")
     monkeypatch.setenv("PIECEWISE_CACHE_DIR", root)
     model = _populate(root)
-    bins = [f for f in _entry_files(root) if f.endswith(".bin")]
+    bins = [f for f in _entry_files(root) if f.endswith(".bin") and not os.path.basename(f).startswith("bundle.")]
     os.unlink(bins[0])
     delta, reported = _run(root, model)
     assert delta["compiler_invocations"] == 1 and delta["cache_loads"] == len(bins) - 1

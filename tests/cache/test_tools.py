@@ -20,14 +20,15 @@ def test_ls_show_verify(tmp_path, capsys):
     root = str(tmp_path / "r")
     run_worker(root)
     code, out = _cli(capsys, "cache", "--root", root, "ls")
-    assert code == 0 and "1 entry" in out and "/rank_0_0/TwoSplitModel" in out and "3 artifacts" in out
-    key = tools.list_entries(root)[0].key
-    code, out = _cli(capsys, "cache", "--root", root, "show", key[:6])
+    assert code == 0 and "2 entries" in out and "/rank_0_0/TwoSplitModel" in out and "3 artifacts" in out
+    assert "1 artifacts" in out and "warm-start bundle" in out
+    (entry,) = [e for e in tools.list_entries(root) if e.kind == "compile"]
+    code, out = _cli(capsys, "cache", "--root", root, "show", entry.key[:6])
     assert code == 0 and '"splitting_ops"' in out
     code, out = _cli(capsys, "cache", "--root", root, "verify")
     assert code == 0 and out.strip().endswith("ok")
-    art = next(f for f in os.listdir(os.path.join(tools.list_entries(root)[0].path, "artifacts")))
-    with open(os.path.join(tools.list_entries(root)[0].path, "artifacts", art), "ab") as f:
+    art = next(f for f in os.listdir(os.path.join(entry.path, "artifacts")))
+    with open(os.path.join(entry.path, "artifacts", art), "ab") as f:
         f.write(b"x")
     code, out = _cli(capsys, "cache", "--root", root, "verify")
     assert code == 1 and "checksum mismatch" in out
@@ -37,7 +38,7 @@ def test_explain_names_the_differing_factor(tmp_path, capsys):
     root = str(tmp_path / "r")
     run_worker(root)
     run_worker(root, "--max-num-tokens", "32")
-    a, b = (e.rel for e in tools.list_entries(root))
+    a, b = (e.rel for e in tools.list_entries(root) if e.kind == "compile")
     code, out = _cli(capsys, "cache", "--root", root, "explain", a, b)
     assert code == 0 and "config.max_num_tokens" in out and "inputs" not in out
     code, out = _cli(capsys, "cache", "--root", root, "explain", a, a)
@@ -49,12 +50,13 @@ def test_export_import_roundtrip_and_warning_on_differing_factor(tmp_path, capsy
     run_worker(src)
     archive = str(tmp_path / "cache.tgz")
     code, out = _cli(capsys, "cache", "--root", src, "export", archive)
-    assert code == 0 and "exported 1 entry" in out
+    assert code == 0 and "exported 2 entries" in out  # the compile entry and its warm-start bundle
     # importing into a process whose environment matches: no warning, and the entry hits
     code, out = _cli(capsys, "cache", "--root", dst, "import", archive)
-    assert code == 0 and "imported 1 entry" in out and "warning" not in out
+    assert code == 0 and "imported 2 entries" in out and "warning" not in out
     warm = run_worker(dst)
-    assert warm["counters"]["cache_hits"] == 1 and warm["counters"].get("compiler_invocations", 0) == 0
+    c = warm["counters"]
+    assert c["cache_hits"] == 1 and c["bundle_hits"] == 1 and "compiler_invocations" not in c and "dynamo_traces" not in c
     # a process that differs in an allow-listed env var is told which factor differs
     p = subprocess.run([sys.executable, "-m", "piecewise.cli", "cache", "--root", str(tmp_path / "dst2"), "import", archive],
                        env={**os.environ, "PIECEWISE_KEY_SALT": "other"}, capture_output=True, text=True)

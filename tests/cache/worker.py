@@ -21,19 +21,21 @@ import piecewise as pw  # noqa: E402
 from piecewise.models.toy import ToyTransformer, TwoSplitModel  # noqa: E402
 
 
-def build(kind: str, source: str | None):
+def build(kind: str, source: str | None, kwargs: dict):
     if source:
         spec = importlib.util.spec_from_file_location("user_model", source)
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # importable by name, as a user's model module is
         spec.loader.exec_module(mod)
-        return mod.Model()
-    return {"two_split": TwoSplitModel, "toy2": lambda: ToyTransformer(num_layers=2, dim=16)}[kind]()
+        return mod.Model(**kwargs)
+    return {"two_split": TwoSplitModel, "toy2": lambda **kw: ToyTransformer(**{"num_layers": 2, "dim": 16, **kw})}[kind](**kwargs)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="two_split")
     ap.add_argument("--source", help="a .py file defining Model (a traced source file)")
+    ap.add_argument("--model-args", default="{}", help="JSON keyword arguments for the model's constructor")
     ap.add_argument("--backend", default="code")
     ap.add_argument("--max-num-tokens", type=int, default=16)
     ap.add_argument("--sizes", default="")
@@ -45,7 +47,7 @@ def main() -> int:
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    model = build(args.model, args.source)
+    model = build(args.model, args.source, json.loads(args.model_args))
     opts = {}
     for kv in args.inductor_option:
         k, v = kv.split("=", 1)

@@ -214,3 +214,23 @@ def test_sub_batch_replay_gathers_rows_pads_and_slices():
         batch, bias = torch.randn(16, 8), torch.randn(16, 8)
         index = torch.arange(5)
         torch.testing.assert_close(sub(index, batch, bias), head(batch[index], bias[index]))
+
+
+def test_warm_start_from_a_bundle_captures_and_replays_like_a_traced_model(tmp_path):
+    import gc
+
+    cfg = dict(cache_dir=str(tmp_path / "c"), cudagraph_capture_sizes=[4, 8, 16])
+    with fake_cpu_platform():
+        cold = _compile(ToyTransformer(num_layers=3, dim=16), **cfg)
+        cold(torch.randn(3, 16))
+        del cold
+        gc.collect()  # frees the tag: the next model gets the same one, and the bundle
+        model = ToyTransformer(num_layers=3, dim=16)
+        cm = _compile(model, **cfg)
+        gen = torch.Generator().manual_seed(1)
+        with counters.expect(bundle_hits=1, dynamo_traces=0, compiler_invocations=0, graphs_captured=3 * 4,
+                             capturable_pieces=4, recompiles=0):
+            for n in range(1, 33):
+                x = torch.randn(n, 16, generator=gen)
+                torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+        assert counters.by_tag[cm.tag].eager_above_capture == 16

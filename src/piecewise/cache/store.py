@@ -223,12 +223,13 @@ class CacheEntry:
         self.saved: dict[str, dict[str, Any]] = {}
 
     # -- reading ------------------------------------------------------------------------------
-    def open(self, meta: Mapping[str, Any]) -> bool:
-        """Check permissions and read the index; True when a matching index exists (a hit)."""
+    def open(self, meta: Mapping[str, Any] | None) -> bool:
+        """Check permissions and read the index; True when a matching index exists (a hit). With
+        `meta` None any meta matches (the caller reads ``index["meta"]`` itself)."""
         unsafe = check_permissions(self.root, self.path)
         if unsafe:
             self.readable = self.writable = False
-            report_once(f"unsafe:{self.path}", f"piecewise cache: not loading or writing {self.path}: {unsafe}; "
+            report_once(f"unsafe:{unsafe}", f"piecewise cache: not loading or writing {self.path}: {unsafe}; "
                         "compiling in memory. Fix the permissions (chmod go-w) or choose another cache_dir")
             return False
         try:
@@ -241,7 +242,7 @@ class CacheEntry:
         except OSError as e:
             report_once(f"read:{self.path}", f"piecewise cache: cannot read {self.path} ({e}); compiling")
             return False
-        if idx["key"] != self.key or idx.get("meta") != json.loads(_canonical(dict(meta))):
+        if idx["key"] != self.key or (meta is not None and idx.get("meta") != json.loads(_canonical(dict(meta)))):
             log.info("[%s] cache entry %s was built for another graph (piece count or signature differ); recompiling",
                      self.tag, self.rel)
             return False
@@ -307,9 +308,11 @@ class CacheEntry:
     def _lock(self) -> filelock.FileLock:
         return filelock.FileLock(os.path.join(self.path, LOCK), mode=0o644)
 
-    def save_artifact(self, name: str, payload: bytes) -> None:
+    def save_artifact(self, name: str, payload: bytes) -> bool:
+        """Write `payload` as artifact `name` (recorded in the index at `commit`); returns whether
+        it was written."""
         if not self.writable:
-            return
+            return False
         digest = hashlib.sha256(payload).hexdigest()
         # The file name carries the content hash: two processes compiling the same piece may produce
         # different bytes (compilers are not bit-reproducible), and neither may overwrite the file
@@ -321,8 +324,9 @@ class CacheEntry:
             atomic_write(os.path.join(self.root, *rel.split("/")), payload)
         except OSError as e:
             self._disable_writes(e)
-            return
+            return False
         self.saved[name] = {"file": rel, "sha256": digest, "bytes": len(payload)}
+        return True
 
     def commit(self, meta: Mapping[str, Any], factors: Mapping[str, Any], graph_code: str) -> None:
         """Write the factors, the graph dump and then the index (merged with what other writers

@@ -37,6 +37,7 @@ class EntryInfo:
     created: float | None
     valid: bool
     problem: str = ""
+    kind: str = "compile"  # "compile" (piece artifacts) or "bundle" (a warm-start bundle)
 
     @property
     def key(self) -> str:
@@ -72,7 +73,8 @@ def _info(root: str, rel: str, path: str) -> EntryInfo:
     except (IndexError_, OSError) as e:
         return EntryInfo(rel, path, 0, 0, None, False, f"bad index: {e}")
     arts = idx["artifacts"]
-    return EntryInfo(rel, path, len(arts), sum(r["bytes"] for r in arts.values()), idx.get("created"), True)
+    kind = "bundle" if idx["meta"].get("kind") == "bundle" else "compile"
+    return EntryInfo(rel, path, len(arts), sum(r["bytes"] for r in arts.values()), idx.get("created"), True, kind=kind)
 
 
 def list_entries(root: str) -> list[EntryInfo]:
@@ -97,10 +99,14 @@ def find_entry(root: str, ref: str) -> EntryInfo:
             matches.append((rel, path))
         elif len(parts) > 1 and k.startswith(parts[0]) and parts[-1] == t and (len(parts) < 3 or parts[1] == r):
             matches.append((rel, path))
-    if len(matches) != 1:
-        names = ", ".join(m[0] for m in matches[:5]) or "none"
-        raise LookupError(f"{ref!r} matches {len(matches)} entries under {root} ({names}); give key/rank_r_d/tag")
-    return _info(root, *matches[0])
+    infos = [_info(root, *m) for m in matches]
+    if len(infos) > 1:  # a tag names its compile entry and its bundle: the compile entry is meant
+        compiled = [i for i in infos if i.kind == "compile"]
+        infos = compiled if len(compiled) == 1 else infos
+    if len(infos) != 1:
+        names = ", ".join(i.rel for i in infos[:5]) or "none"
+        raise LookupError(f"{ref!r} matches {len(infos)} entries under {root} ({names}); give key/rank_r_d/tag")
+    return infos[0]
 
 
 def verify(root: str) -> tuple[list[str], list[str]]:

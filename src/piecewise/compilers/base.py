@@ -77,6 +77,10 @@ class CompilerAdaptor(abc.ABC):
         self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget
     ) -> CompiledPiece: ...
 
+    def prepare_load(self, device: str) -> None:
+        """Called once before a warm start loads artifacts for `device`: a chance to start
+        per-process setup in the background. Default: nothing."""
+
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         """Rebuild a callable from `CompiledPiece.payload`. Adaptors that save nothing never
         receive this call."""
@@ -84,6 +88,12 @@ class CompilerAdaptor(abc.ABC):
 
     @property
     def saves_artifacts(self) -> bool:
+        return False
+
+    @property
+    def rebuilds_from_graph(self) -> bool:
+        """Whether `compile` needs nothing but the piece graph (no example inputs, no code
+        generation), so a warm start may call it with empty inputs instead of loading an artifact."""
         return False
 
     @property

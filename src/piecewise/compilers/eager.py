@@ -28,5 +28,9 @@ class EagerAdaptor(CompilerAdaptor):
         return CompiledPiece(fx_forward(graph))
 
     @property
+    def rebuilds_from_graph(self) -> bool:
+        return True
+
+    @property
     def specializes_sizes(self) -> bool:
         return False

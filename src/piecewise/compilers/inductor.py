@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ from ..errors import CompileError
 from .base import CompiledPiece, CompilerAdaptor, CompileTarget
 
 __all__ = ["InductorAdaptor"]
+
+_isa_probe: threading.Thread | None = None
 
 
 class InductorAdaptor(CompilerAdaptor):
@@ -95,9 +98,24 @@ class InductorAdaptor(CompilerAdaptor):
             patches["post_grad_custom_post_pass"] = [self.passes.for_target(target), *user]
         return patches
 
+    def prepare_load(self, device: str) -> None:
+        """Start the one-time, per-process work that loading CPU artifacts waits on, so it overlaps
+        the caller's own work: Inductor's CPU vector-ISA probe (it builds and dlopens a test
+        library per ISA in subprocesses, ~1.5 s on a 2-core machine) runs in a background thread;
+        `load` joins it before deserialising."""
+        global _isa_probe
+        if device != "cpu" or _isa_probe is not None:
+            return
+        from torch._inductor import cpu_vec_isa
+
+        _isa_probe = threading.Thread(target=cpu_vec_isa.valid_vec_isa_list, name="piecewise-isa-probe", daemon=True)
+        _isa_probe.start()
+
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
 
+        if _isa_probe is not None:
+            _isa_probe.join()  # valid_vec_isa_list is memoised but not locked: never evaluate it twice at once
         fn = AOTCompiledArtifact.deserialize(payload)
         # A loaded artifact returns its outputs as a list; the piece's graph may return one value.
         if _returns_single_value(graph):

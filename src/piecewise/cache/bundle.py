@@ -1,0 +1,334 @@
+"""Warm-start bundles: rebuild a compiled model without running Dynamo (SPEC §5.5).
+
+A cold start saves, next to the piece artifacts, one *bundle* per tag: Dynamo's transformed
+bytecode with its runtime globals and serialisable guards (`piecewise.capture`), the split module
+and its pieces (FX graphs without metadata, `torch.fx._graph_pickler.GraphPickler`), the stitching
+plan (`PiecewiseBackend.plan`) and the sha256 of every traced source file. A warm start finds it
+*before* tracing, under the *start key*: everything known before a trace - piecewise, torch and
+Python versions, allow-listed environment, code-changing config, compiler hash, splitting ops, the
+call's signature (`CallSignature.describe`), the forward's qualified name and a fingerprint of the
+module's structure and settings (`module_fingerprint`).
+
+Validation at load, any failure falling back to a normal trace with one log line (one warning for a
+damaged bundle, which is also moved aside):
+
+1. the bundle entry's index and the bundle's sha256 (`CacheEntry`, as for every artifact);
+2. every traced source file still hashes to the recorded sha256 (an edit forces a retrace);
+3. PyTorch's own compatibility record (Python and torch versions, GPU) and the guards, evaluated on
+   the first call's arguments - constructor arguments that change the graph change a guarded value
+   (a tensor shape, a constant attribute, a container length) even when the fingerprint misses them;
+4. every piece artifact of the compile entry loads (a missing one: trace, which recompiles just it).
+
+The bundle lives in its own entry ``<root>/<start key>/rank_<r>_<dp>/<tag>/`` with an index and one
+artifact ``bundle``, so permissions, locking, checksums, quarantine and the CLI tools apply
+unchanged. Its index meta names the compile entry (``compile_key``) holding the piece artifacts.
+
+Left out of the fingerprint, protected only by the guards: values hidden in objects the fingerprint
+does not walk (attributes of attributes beyond two levels, ``__slots__``). Global variables read by
+``forward`` are not guarded (as in ``torch.compile(...).aot_compile``); their source file's hash is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import sys
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .key import KEY_FORMAT, compute_key, env_factors
+
+__all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fingerprint", "encode_bundle", "decode_bundle",
+           "stale_sources", "file_hashes"]
+
+log = logging.getLogger("piecewise")
+
+#: Bump when the bundle's layout or meaning changes: old bundles then miss (different start key).
+BUNDLE_FORMAT = 1
+#: The artifact name of the bundle inside its entry.
+BUNDLE = "bundle"
+
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
+_PRIMITIVES = (int, float, bool, str, bytes, type(None), complex)
+
+
+def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
+    """A JSON-ready description of an attribute value, deep enough to tell constructor arguments
+    apart, bounded so that a large object graph costs little."""
+    if isinstance(v, _PRIMITIVES):
+        return repr(v)
+    if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(v)
+    if isinstance(v, enum.Enum):
+        return f"{type(v).__qualname__}.{v.name}"
+    if isinstance(v, torch.Tensor):
+        return ["tensor", str(v.dtype), v.device.type, list(v.shape)]
+    if isinstance(v, torch.nn.Module):
+        return ["module", type(v).__qualname__]  # walked on its own by module_fingerprint
+    if depth <= 0:
+        return type(v).__qualname__
+    if isinstance(v, (list, tuple, set, frozenset)):
+        items = [_describe(x, depth - 1, memo) for x in v]
+        return [type(v).__name__, sorted(map(repr, items)) if isinstance(v, (set, frozenset)) else items]
+    if isinstance(v, Mapping):
+        return {str(k): _describe(x, depth - 1, memo) for k, x in v.items()}
+    code = getattr(v, "__code__", None)
+    if isinstance(code, types.CodeType):  # functions and lambdas held as attributes
+        return ["function", getattr(v, "__qualname__", "?"), hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:12]]
+    if id(v) in memo:
+        return memo[id(v)]
+    to_dict = getattr(v, "to_dict", None)
+    if callable(to_dict) and not isinstance(v, type):  # configuration objects (transformers' PretrainedConfig)
+        try:
+            out = [type(v).__qualname__, json.dumps(to_dict(), sort_keys=True, default=str)]
+        except Exception:
+            out = type(v).__qualname__
+    elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+        out = [type(v).__qualname__, {f.name: _describe(getattr(v, f.name, None), depth - 1, memo) for f in dataclasses.fields(v)}]
+    elif hasattr(v, "__dict__") and not isinstance(v, type):
+        out = [type(v).__qualname__, {k: _describe(x, depth - 1, memo) for k, x in sorted(vars(v).items())}]
+    else:
+        out = type(v).__qualname__
+    memo[id(v)] = out
+    return out
+
+
+def module_fingerprint(module: torch.nn.Module) -> str:
+    """sha256 over every submodule's class, parameters and buffers (name, shape, dtype, device,
+    requires_grad) and its other attributes (values described two levels deep).
+
+    Two instances of one class built with different arguments (layer count, width, eps, a flag)
+    get different fingerprints, so they never share a bundle. Weights' values are not read."""
+    h = hashlib.sha256()
+    memo: dict[int, Any] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        h.update(f"M{name}:{type(m).__module__}.{type(m).__qualname__};".encode())
+        for pname, p in list(m._parameters.items()) + list(m._buffers.items()):
+            desc = None if p is None else [str(p.dtype), p.device.type, list(p.shape), p.requires_grad]
+            h.update(f"P{pname}:{desc};".encode())
+        attrs = {k: _describe(v, 2, memo) for k, v in sorted(m.__dict__.items()) if k not in _MODULE_INTERNALS}
+        h.update(json.dumps(attrs, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def start_factors(backend: Any, module: torch.nn.Module, call_signature: list[Any]) -> dict[str, Any]:
+    """The start-key factors: what selects a bundle before any trace (see module doc)."""
+    from .. import __version__
+
+    fwd = type(module).forward
+    return {
+        "kind": "warm_start",
+        "bundle_format": BUNDLE_FORMAT,
+        "key_format": KEY_FORMAT,
+        "piecewise": __version__,
+        "torch": torch.__version__,
+        "python": sys.version,
+        "env": env_factors(),
+        "config": backend.config.code_factors(),
+        "compiler": {"name": backend.adaptor.name, "hash": backend.adaptor.compute_hash()},
+        "splitting_ops": sorted(backend.split_ops),
+        "forward": f"{fwd.__module__}.{fwd.__qualname__}",
+        "call": list(call_signature),
+        "module": module_fingerprint(module),
+    }
+
+
+def start_key(factors: Mapping[str, Any]) -> str:
+    return compute_key(factors)
+
+
+def file_hashes(filenames: Any) -> dict[str, str]:
+    """``{absolute path: sha256}`` of every real traced file (virtual ones skipped)."""
+    out = {}
+    for fn in sorted(set(filenames)):
+        if fn.startswith("<") or not os.path.isfile(fn):
+            continue
+        try:
+            with open(fn, "rb") as f:
+                out[fn] = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            continue
+    return out
+
+
+def stale_sources(recorded: Mapping[str, str]) -> list[str]:
+    """The recorded source files that are gone or whose content changed since the bundle was made."""
+    now = file_hashes(recorded)
+    return [fn for fn, digest in recorded.items() if now.get(fn) != digest]
+
+
+def _graph_options():
+    from torch.fx._graph_pickler import Options
+
+    # Any op (custom splitting ops included); node metadata dropped: a warm start only runs the code.
+    return Options(ops_filter=None, node_metadata_key_filter=lambda key: False)
+
+
+def encode_bundle(split_module: torch.fx.GraphModule, piece_names: list[str], plan: dict[str, Any], dynamo: bytes,
+                  sources: dict[str, str]) -> bytes:
+    """The bundle bytes. `split_module` is pickled without the runners installed in its
+    ``__dict__`` (names in `piece_names`); they are rebuilt from `plan` at load.
+
+    Raises:
+        Exception: a graph cannot be pickled (an op or constant GraphPickler does not support).
+    """
+    from torch.fx._graph_pickler import GraphPickler
+
+    installed = {n: split_module.__dict__.pop(n) for n in piece_names if n in split_module.__dict__}
+    try:
+        graphs = GraphPickler.dumps(split_module, _graph_options())
+    finally:
+        split_module.__dict__.update(installed)
+    body = {"format": BUNDLE_FORMAT, "graphs": graphs, "plan": plan, "dynamo": dynamo, "sources": sources}
+    buf = io.BytesIO()
+    pickle.dump(body, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return buf.getvalue()
+
+
+def decode_bundle(data: bytes) -> dict[str, Any]:
+    """The bundle's fields, with ``split_module`` unpickled (a fresh `torch.fx.GraphModule` whose
+    submodules are the pieces).
+
+    Raises:
+        ValueError: not a bundle of this format.
+        Exception: anything unpickling raises (callers treat it as a damaged bundle).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+
+    body = pickle.loads(data)
+    if not isinstance(body, dict) or body.get("format") != BUNDLE_FORMAT:
+        raise ValueError("not a piecewise warm-start bundle of this format")
+    gm = GraphPickler.loads(body.pop("graphs"), FakeTensorMode())
+    for m in gm.modules():  # unpickled graph modules have no generated forward yet
+        if isinstance(m, torch.fx.GraphModule):
+            m.recompile()
+    body["split_module"] = gm
+    return body
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class WarmStart:
+    """The bundle side of one compiled model's first call.
+
+    `open` looks the bundle up and, when everything validates, leaves `fast` (the transformed
+    forward, ready to call), `backend` (a restored `PiecewiseBackend`) and `guards` set; otherwise
+    `fast` is None and the caller traces, then calls `save`. `open` returns None when no bundle can
+    be used or saved at all (cache disabled, mode ``none``, debug mode).
+    """
+
+    def __init__(self, model: Any, entry: Any, factors: dict[str, Any]) -> None:
+        self.model = model
+        self.tag = model.tag
+        self.entry = entry
+        self.factors = factors
+        self.fast: Any = None
+        self.backend: Any = None
+        self.guards: Any = None
+        self.seconds = 0.0
+        #: piece artifacts a failed warm start already loaded, handed to the tracing backend
+        self.preloaded: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, model: Any, args: tuple, kwargs: dict) -> WarmStart | None:
+        import time
+
+        from ..backend import PiecewiseBackend
+        from ..counters import counters
+        from .store import CacheEntry, resolve_root
+
+        config = model.config
+        root = resolve_root(config.cache_dir)
+        if root is None or config.mode == "none":
+            return None
+        t0 = time.perf_counter()
+        call = model._signature.describe()
+        backend = PiecewiseBackend(config, model.tag, call_signature=call)
+        factors = start_factors(backend, model.module, call)
+        start = cls(model, CacheEntry(root, start_key(factors), model.tag, rank=_rank()), factors)
+        if config.debug:
+            return start  # debug mode always traces: it checks the full guards, identity guards included
+        why = start._load(backend, args, kwargs)
+        start.seconds = time.perf_counter() - t0
+        start.preloaded = backend.preloaded
+        if why:
+            counters.bump("bundle_misses", tag=model.tag)
+            log.info("[%s] no warm start: %s; tracing", model.tag, why)
+        else:
+            counters.bump("bundle_hits", tag=model.tag)
+        return start
+
+    def _load(self, backend: Any, args: tuple, kwargs: dict) -> str:
+        """Fill `fast`, `backend` and `guards` from the bundle; returns why not, or ''."""
+        from ..capture import rebuild
+        from ..errors import CompileError
+        from ..split import SplitResult
+        from .store import CacheEntry
+
+        entry = self.entry
+        if not entry.open(None):
+            return f"no bundle under {entry.path}"
+        backend.adaptor.prepare_load(entry.index["meta"].get("device", "cpu"))
+        payload = entry.load_artifact(BUNDLE)
+        if payload is None:
+            return "the bundle entry has no usable bundle"
+        module_globals = self.model._forward_fn.__globals__
+        try:
+            body = decode_bundle(payload)
+            cap = rebuild(body["dynamo"], None, module_globals)
+        except Exception as e:  # damaged beyond the checksum (or written by another build): report, set aside
+            entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
+            return "the bundle is damaged"
+        stale = stale_sources(body["sources"])
+        if stale:
+            return f"traced source {stale[0]} changed since the bundle was made"
+        f_locals = self.model._f_locals(args, kwargs)
+        if not cap.guard_manager.check(f_locals):
+            failed = cap.guard_manager.check_verbose(f_locals).verbose_code_parts
+            return f"a guard of the bundle fails for this instance or call ({failed[0] if failed else '?'})"
+        plan = body["plan"]
+        compile_entry = CacheEntry(entry.root, plan["cache_key"], self.tag, rank=_rank())
+        if not compile_entry.open(plan["cache_meta"]):
+            return f"its compile entry {plan['cache_key']} is gone"
+        try:
+            split = SplitResult.from_module(body["split_module"], plan["splitting"])
+            cap.compiled_fn = backend.restore(split, plan, compile_entry)
+        except CompileError as e:  # a piece artifact is missing or bad (already reported)
+            return str(e)
+        except Exception as e:
+            entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
+            return "the bundle is damaged"
+        self.backend, self.guards = backend, cap.guard_manager
+        self.fast = cap.function(module_globals)
+        return ""
+
+    def save(self, backend: Any, cap: Any) -> None:
+        """After a trace: write the bundle for the next process (logged when it cannot be)."""
+        from ..counters import counters
+
+        if not self.entry.writable or backend.cache is None or not backend.cache.writable:
+            return
+        try:
+            plan = backend.plan()
+            data = encode_bundle(backend.split.split_module, [it.name for it in backend.split.items], plan,
+                                 cap.dynamo_state(), file_hashes(backend.traced_files))
+        except Exception as e:
+            log.info("[%s] no warm-start bundle saved: %s: %s", self.tag, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return
+        if self.entry.save_artifact(BUNDLE, data):
+            meta = {"kind": "bundle", "compile_key": plan["cache_key"], "device": plan["device"]}
+            self.entry.commit(meta, self.factors, backend.graph_code)
+            counters.bump("bundles_saved", tag=self.tag)

@@ -1,0 +1,164 @@
+"""One Dynamo trace of ``forward``, kept in a form that can be saved and rebuilt (SPEC §4.1, §5.5).
+
+`capture` runs Dynamo's full-graph capture on the module's ``forward`` (no graph breaks), hands the
+graph to a backend inside a tracing context that still lists the traced code objects, and returns a
+`Capture`: the transformed bytecode with its runtime globals (Dynamo's `GraphRuntimeEnv`), the
+backend's callable, the guards as a guard manager and - when they can be serialised - as bytes.
+
+`Capture.function` builds the plain function every later call runs (guard-free dispatch: the guards
+are never evaluated on the hot path). `dynamo_state` / `rebuild` turn the Dynamo half into bytes and
+back, so a warm process can skip the trace entirely (see `piecewise.cache.bundle`).
+
+This is the same machinery as PyTorch's ``torch.compile(...).aot_compile`` (``aot_compile_fullgraph``),
+used directly so that the backend sees the traced source files (they enter the cache key) and so the
+bundle can hold our own stitching plan next to Dynamo's state.
+
+Guards kept for a warm start are those PyTorch can serialise: guards on globals and identity guards
+(``ID_MATCH``, ``FUNCTION_MATCH`` and kin) are left out, as ``aot_compile`` does; what they protect
+is covered by the bundle's source hashes and module fingerprint (`piecewise.cache.bundle`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["Capture", "capture", "rebuild"]
+
+log = logging.getLogger("piecewise")
+
+
+@dataclasses.dataclass
+class Capture:
+    """What one trace produced.
+
+    Attributes:
+        runtime_env: Dynamo's `GraphRuntimeEnv` (transformed bytecode, import aliases, globals).
+        backend_id: the global name the bytecode calls the compiled graph by.
+        compiled_fn: what the backend returned for the graph.
+        original_code: the code object of the traced ``forward``.
+        guard_manager: Dynamo's guard manager (checked per call in debug mode), or None.
+        guards_state: the serialisable guards as bytes (None: a guard could not be serialised).
+        traced_code: the code objects Dynamo inlined (their files enter the cache key).
+        why_not_saved: why `guards_state` is None, for the log.
+    """
+
+    runtime_env: Any
+    backend_id: str
+    compiled_fn: Callable[..., Any] | None
+    original_code: types.CodeType
+    guard_manager: Any
+    guards_state: bytes | None
+    traced_code: list[types.CodeType]
+    why_not_saved: str = ""
+
+    def function(self, module_globals: dict[str, Any]) -> types.FunctionType:
+        """The transformed ``forward`` as a plain function ``f(self, *args, **kwargs)``.
+
+        Its globals are a copy of `module_globals` (the module defining ``forward``) plus Dynamo's
+        import aliases and the compiled graph under `backend_id`; the module's own dict is not
+        touched."""
+        return self.runtime_env.forward_callable(self.backend_id, self.compiled_fn, extra_globals=module_globals)
+
+    def dynamo_state(self) -> bytes:
+        """The Dynamo half (bytecode, runtime globals, guards) as bytes for `rebuild`.
+
+        Raises:
+            ValueError: the guards could not be serialised (`why_not_saved`).
+            RuntimeError, pickle.PicklingError: a runtime global cannot be pickled.
+        """
+        from torch._dynamo.aot_compile import AOTCompilePickler
+        from torch._dynamo.package import SerializedCode
+
+        if self.guards_state is None:
+            raise ValueError(self.why_not_saved or "guards were not serialised")
+        state = {
+            "runtime_env": dataclasses.replace(self.runtime_env, bytecode=SerializedCode.from_code_object(self.runtime_env.bytecode)),
+            "backend_id": self.backend_id,
+            "original_code": SerializedCode.from_code_object(self.original_code),
+            "guards_state": self.guards_state,
+        }
+        buf = io.BytesIO()
+        pickler = AOTCompilePickler({}, buf)
+        pickler.dump(state)
+        if pickler.errors:
+            raise RuntimeError(f"cannot serialise {list(pickler.errors.values())[:3]} held by the transformed code")
+        return buf.getvalue()
+
+
+def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, module_globals: dict[str, Any]) -> Capture:
+    """A `Capture` from `Capture.dynamo_state` bytes, calling `compiled_fn` for the graph (may be
+    set later, before `Capture.function`: the guards can be checked before any artifact loads).
+
+    The guard manager is rebuilt against `module_globals`; `traced_code` is empty (the bundle
+    records source hashes instead).
+
+    Raises:
+        Exception: anything unpickling or rebuilding the guards raises (a bundle from another torch
+            build, a module that no longer imports); callers fall back to tracing.
+    """
+    from torch._dynamo.aot_compile import AOTCompileUnpickler
+    from torch._dynamo.package import SerializedCode, load_guard_manager, load_guards_state
+
+    state = AOTCompileUnpickler({}, io.BytesIO(data)).load()
+    env = dataclasses.replace(state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode))
+    original = SerializedCode.to_code_object(state["original_code"])
+    guards = load_guard_manager(load_guards_state(state["guards_state"]), original, module_globals)
+    return Capture(env, state["backend_id"], compiled_fn, original, guards, state["guards_state"], [])
+
+
+def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[..., Any], *, full_guards: bool = False) -> Capture:
+    """Trace ``module.forward(*args, **kwargs)`` once with Dynamo (full graph) and compile the graph
+    with `backend(gm, example_inputs)`.
+
+    Args:
+        full_guards: also build the unfiltered guard manager (debug mode checks every guard,
+            identity and global guards included); otherwise the guard manager is the serialisable one.
+
+    Raises:
+        torch._dynamo.exc.Unsupported: a graph break (the model cannot be captured as one graph).
+        torch._dynamo.exc.UserError, ConstraintViolationError: dynamic-dim marking conflicts.
+        Whatever `backend` raises.
+    """
+    from torch._dynamo import convert_frame
+    from torch._dynamo.guards import CheckFunctionManager
+    from torch._dynamo.hooks import Hooks
+    from torch._dynamo.utils import dynamo_timed, get_metrics_context
+    from torch._dynamo.variables.torch_function import torch_function_mode_stack_state_mgr
+    from torch._guards import TracingContext
+
+    fn = type(module).forward
+    with get_metrics_context(), dynamo_timed("piecewise_capture"), torch_function_mode_stack_state_mgr:
+        out = convert_frame.fullgraph_capture(module.forward, args, kwargs)
+        gco = out.graph_capture_output
+        bi = out.backend_input
+        if bi is None:
+            raise torch._dynamo.exc.Unsupported("forward produced no graph (no tensor operations)")
+        ctx = TracingContext(bi.fake_mode)
+        ctx.tensor_to_context = bi.tensor_to_context
+        ctx.traced_code = list(gco.traced_code)
+        with torch._guards.tracing(ctx):
+            compiled = backend(bi.graph_module, bi.example_inputs)
+
+        def serialisable(entries):
+            return [not (g.is_global or g.guard_type in CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES) for g in entries]
+
+        guards_state: bytes | None = None
+        why = ""
+        try:
+            check = gco.build_guards(fn.__code__, hooks=Hooks(guard_filter_fn=serialisable), save=True, strict_error=True)
+            guards_state = check.guards_state
+            manager = check.guard_manager
+        except Exception as e:  # a guard PyTorch cannot serialise: run fine, just no warm bundle
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            manager = None
+        if full_guards or manager is None:
+            manager = gco.build_guards(fn.__code__).guard_manager
+    return Capture(gco.get_runtime_env(), bi.backend_id, compiled, fn.__code__, manager, guards_state,
+                   list(gco.traced_code), why)

@@ -1,0 +1,231 @@
+"""Warm start without tracing (SPEC §5.5): bundles, in real processes.
+
+Each worker run is a fresh Python process on one cache root; its report carries counter deltas,
+the piecewise warnings it raised and whether every size equalled eager.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import textwrap
+from collections import Counter
+
+import pytest
+import torch
+
+import piecewise as pw
+from piecewise.cache.store import encode_index, read_index
+from piecewise.counters import counters
+from piecewise.models.toy import ToyTransformer
+
+from cachehelp import run_worker
+
+ALL_SIZES = ",".join(str(n) for n in range(1, 17))
+
+
+def run(root: str, *args: str) -> tuple[dict, Counter]:
+    """One worker process; its report and its counter deltas (0 for counters it did not bump)."""
+    report = run_worker(root, *args)
+    return report, Counter(report["counters"])
+
+
+def bundle_entries(root: str) -> list[str]:
+    """Entry dirs under `root` whose index says they hold a warm-start bundle."""
+    out = []
+    for f in glob.glob(os.path.join(root, "*", "rank_*", "*", "index.json")):
+        if read_index(f)["meta"].get("kind") == "bundle":
+            out.append(os.path.dirname(f))
+    return sorted(out)
+
+
+def bundle_file(root: str) -> str:
+    (entry,) = bundle_entries(root)
+    idx = read_index(os.path.join(entry, "index.json"))
+    return os.path.join(root, *idx["artifacts"]["bundle"]["file"].split("/"))
+
+
+@pytest.mark.parametrize("model", ["two_split", "toy2"])
+def test_warm_process_runs_no_trace_and_no_compile(tmp_path, model):
+    root = str(tmp_path / "c")
+    cold, cc = run(root, "--model", model, "--check-sizes", ALL_SIZES)
+    assert cold["equal"] and cc["dynamo_traces"] == 1 and cc["bundles_saved"] == 1
+    warm, c = run(root, "--model", model, "--check-sizes", ALL_SIZES)
+    assert warm["equal"], "warm start from the bundle differs from eager"
+    assert (c["dynamo_traces"], c["graphs_seen"], c["compiler_invocations"], c["recompiles"]) == (0, 0, 0, 0)
+    assert c["bundle_hits"] == 1 and c["cache_loads"] == cc["artifacts_saved"] > 0
+    assert warm["warnings"] == []
+
+
+def test_warm_process_with_inductor_and_compile_sizes(tmp_path):
+    root = str(tmp_path / "c")
+    args = ["--model", "toy2", "--backend", "inductor", "--sizes", "4", "--check-sizes", "1,4,5,16"]
+    cold, cc = run(root, *args)
+    assert cold["equal"] and cc["bundles_saved"] == 1
+    warm, c = run(root, *args)
+    assert warm["equal"]
+    assert (c["dynamo_traces"], c["compiler_invocations"], c["bundle_hits"]) == (0, 0, 1)
+    assert c["cache_loads"] == cc["artifacts_saved"] == 6  # 3 distinct pieces x (general, size 4)
+
+
+MODEL_SRC = '''
+import torch
+from torch import nn
+
+
+class Leaf:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+class Inner:
+    def __init__(self, scale):
+        self.leaf = Leaf(scale)
+
+
+class Deep:
+    """A constructor argument kept three attribute levels down, out of the fingerprint's reach."""
+
+    def __init__(self, scale):
+        self.inner = Inner(scale)
+
+
+class Model(nn.Module):
+    dim = 8
+
+    def __init__(self, scale=2.0, width=8):
+        super().__init__()
+        self.lin = nn.Linear(8, width)
+        self.out = nn.Linear(width, 8)
+        self.deep = Deep(scale)
+
+    def forward(self, x):
+        x = torch.ops.piecewise_models.toy_attention(x.sin(), x, x)  # splitting op
+        return self.out(torch.relu(self.lin(x))) * self.deep.inner.leaf.scale
+'''
+
+
+def _source(tmp_path, text=MODEL_SRC) -> str:
+    path = tmp_path / "user_model.py"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_editing_a_traced_source_file_forces_a_retrace(tmp_path):
+    root, src = str(tmp_path / "c"), _source(tmp_path)
+    run(root, "--source", src)
+    assert run(root, "--source", src)[1]["bundle_hits"] == 1
+    with open(src, "a") as f:
+        f.write("\n# an edit that changes no code still changes the file\n")
+    after, c = run(root, "--source", src)
+    assert after["equal"] and (c["dynamo_traces"], c["bundle_hits"], c["bundle_misses"], c["bundles_saved"]) == (1, 0, 1, 1)
+    again = run(root, "--source", src)[1]
+    assert (again["dynamo_traces"], again["bundle_hits"]) == (0, 1)
+
+
+def test_constructor_arguments_that_change_the_graph_never_share(tmp_path):
+    root, src = str(tmp_path / "c"), _source(tmp_path)
+    # width changes parameter shapes (the fingerprint sees it): separate bundle entries
+    a, _ = run(root, "--source", src, "--model-args", '{"width": 8}')
+    b, bc = run(root, "--source", src, "--model-args", '{"width": 12}')
+    assert a["equal"] and b["equal"]
+    assert bc["dynamo_traces"] == 1 and bc["bundle_hits"] == 0
+    assert len(bundle_entries(root)) == 2
+    for width in (8, 12):
+        r, rc = run(root, "--source", src, "--model-args", json.dumps({"width": width}))
+        assert r["equal"] and (rc["dynamo_traces"], rc["bundle_hits"]) == (0, 1)
+    # scale sits where the fingerprint does not look: the bundle's guards refuse it, the model traces
+    c, cc = run(root, "--source", src, "--model-args", '{"scale": 3.0}')
+    assert c["equal"], "a bundle traced for scale=2.0 ran for scale=3.0"
+    assert (cc["dynamo_traces"], cc["bundle_misses"]) == (1, 1)
+    d, dc = run(root, "--source", src, "--model-args", '{"scale": 3.0}')
+    assert d["equal"] and dc["bundle_hits"] == 1
+
+
+def _flip(path: str, rng: random.Random) -> None:
+    data = bytearray(open(path, "rb").read())
+    for _ in range(rng.randint(1, 3)):
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "index", "rechecksummed_junk"])
+def test_corrupt_bundle_falls_back_to_tracing_with_one_warning(tmp_path, damage):
+    root = str(tmp_path / "c")
+    run_worker(root, "--model", "two_split")
+    path = bundle_file(root)
+    rng = random.Random(damage)
+    if damage == "flip":
+        _flip(path, rng)
+    elif damage == "truncate":
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 2])
+    elif damage == "index":
+        _flip(os.path.join(bundle_entries(root)[0], "index.json"), rng)
+    else:  # valid checksums over bytes that are not a bundle (a foreign or buggy writer)
+        import hashlib
+
+        junk = b"\x80\x05not a pickle at all" * 10
+        open(path, "wb").write(junk)
+        ipath = os.path.join(bundle_entries(root)[0], "index.json")
+        idx = read_index(ipath)
+        idx.pop("checksum")
+        idx["artifacts"]["bundle"].update(sha256=hashlib.sha256(junk).hexdigest(), bytes=len(junk))
+        open(ipath, "wb").write(encode_index(idx))
+    r, c = run(root, "--model", "two_split", "--check-sizes", ALL_SIZES)
+    assert r["equal"]
+    assert len(r["warnings"]) == 1 and "piecewise cache" in r["warnings"][0], r["warnings"]
+    assert (c["dynamo_traces"], c["cache_errors"], c["bundle_hits"], c["compiler_invocations"]) == (1, 1, 0, 0)
+    healed, hc = run(root, "--model", "two_split")
+    assert hc["bundle_hits"] == 1 and healed["warnings"] == []
+
+
+def test_deleted_piece_artifact_falls_back_and_recompiles_only_it(tmp_path):
+    root = str(tmp_path / "c")
+    run_worker(root, "--model", "toy2")
+    arts = sorted(glob.glob(os.path.join(root, "*", "rank_*", "*", "artifacts", "*.bin")))
+    piece = next(a for a in arts if "bundle." not in os.path.basename(a))
+    os.unlink(piece)
+    r, c = run(root, "--model", "toy2", "--check-sizes", ALL_SIZES)
+    assert r["equal"] and (c["dynamo_traces"], c["compiler_invocations"], c["bundle_misses"]) == (1, 1, 1)
+
+
+def test_second_instance_in_one_process_starts_from_the_bundle(tmp_path):
+    cfg = pw.CompilationConfig(backend="eager", cache_dir=str(tmp_path / "c"), max_num_tokens=32)
+    first = pw.compile(ToyTransformer(2, dim=16), cfg, dynamic_arg_dims={"x": 0})
+    first(torch.randn(3, 16))
+    del first  # frees the tag, so the next model gets the same one (and the same start key)
+    import gc
+
+    gc.collect()
+    model = ToyTransformer(2, dim=16)
+    cm = pw.compile(model, cfg, dynamic_arg_dims={"x": 0})
+    with counters.expect(dynamo_traces=0, bundle_hits=1, compiler_invocations=0, recompiles=0):
+        for n in (5, 1, 32, 7):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(cm(x), model(x))
+    assert cm.timings["dynamo"] == 0.0 and "bundle_load" in cm.timings
+
+
+def test_debug_mode_always_traces(tmp_path):
+    cfg = pw.CompilationConfig(backend="eager", cache_dir=str(tmp_path / "c"), debug=True)
+    for _ in range(2):
+        cm = pw.compile(ToyTransformer(1, dim=8), cfg, dynamic_arg_dims={"x": 0})
+        with counters.expect(dynamo_traces=1, bundle_hits=0):
+            cm(torch.randn(2, 8))
+        del cm
+
+
+def test_fingerprint_tells_constructor_arguments_apart():
+    from piecewise.cache.bundle import module_fingerprint
+
+    fp = module_fingerprint
+    assert fp(ToyTransformer(2, dim=16)) == fp(ToyTransformer(2, dim=16, seed=5))  # weights' values do not count
+    assert fp(ToyTransformer(2, dim=16)) != fp(ToyTransformer(3, dim=16))
+    assert fp(ToyTransformer(2, dim=16)) != fp(ToyTransformer(2, dim=8))
+    m = ToyTransformer(2, dim=16)
+    m.blocks[1].norm1.eps = 1e-3
+    assert fp(m) != fp(ToyTransformer(2, dim=16))
