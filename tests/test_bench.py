@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from piecewise.bench.suite import BenchConfig, summarize, to_markdown
+from piecewise.bench.suite import BenchConfig, _median_run, summarize, to_markdown
 
 
 def _worker(*args):
@@ -26,7 +26,7 @@ def test_worker_measures_and_counts_no_recompiles():
            "config": {"steady_layers": 1, "steps": 5, "sizes": 8}, "targets": {
                "steady_vs_full": 1.05, "dispatch_us_per_piece": 5.0, "cold_compile_vs_full_at_max_layers": 0.6,
                "warm_compile_vs_full_warm": 0.25, "recompiles": 0},
-           "startup": {"full/1": {"cold": fake_full, "warm": fake_full}, "piecewise-inductor/1": {"cold": pw, "warm": pw}},
+           "startup": {"full/1": {"cold": fake_full, "warm": fake_full}, "piecewise-inductor/1": {"cold": pw, "warm": pw, "warm_traced": pw}},
            "steady": {"eager": eager, "full": fake_full, "piecewise-inductor": pw, "piecewise-eager": pw}}
     from piecewise.bench.suite import padding_waste_report
     from piecewise.bench.worker import dispatch_overhead
@@ -39,4 +39,6 @@ def test_worker_measures_and_counts_no_recompiles():
     d = res["summary"]["dispatch"][1]
     assert abs(d["us_per_piece"] - (pw["latency"]["4"]["median_us"] - eager["latency"]["4"]["median_us"]) / 3) < 1e-6
     md = to_markdown(res)
-    assert "| 4 |" in md and "Dispatch overhead per piece" in md and "| planned |" in md
+    assert "| 4 |" in md and "Dispatch overhead per piece" in md and "| planned |" in md and "traced" in md
+    runs = [{"compile_s": c} for c in (3.0, 1.0, 2.0)]
+    assert _median_run(runs)["compile_s"] == 2.0 and _median_run(runs)["compile_s_runs"] == [3.0, 1.0, 2.0]

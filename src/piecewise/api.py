@@ -20,6 +20,10 @@ the model itself are refused (forward is called directly). Debug mode detects al
 Compiled models are for inference: every call runs under ``torch.no_grad()`` and outputs carry no
 autograd history.
 
+With a cache root, the first call first looks for a warm-start bundle (`piecewise.cache.bundle`): when
+one matches this module and call and its guards pass, the model is rebuilt from it without tracing
+or compiling; otherwise it traces, and saves a bundle for the next process.
+
 The trace runs with ``backed_size_oblivious`` so a first call of size 1 does not specialise the
 dynamic dim (Dynamo otherwise treats sizes 0 and 1 as constants).
 """
@@ -127,9 +131,14 @@ class CompiledModel:
 
     def _f_locals(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The frame locals ``forward`` would see for this call (what Dynamo's guards read)."""
-        bound = inspect.signature(self._forward_fn).bind(self.module, *args, **kwargs)
+        fn = self._forward_fn
+        # the traced code's own parameters: a decorator's (*args, **kwargs), not the wrapped signature
+        bound = inspect.signature(fn, follow_wrapped=False).bind(self.module, *args, **kwargs)
         bound.apply_defaults()
-        return dict(bound.arguments)
+        f_locals = dict(bound.arguments)
+        # a decorated forward's guards also read the variables it closes over (the wrapped function)
+        f_locals.update((name, cell.cell_contents) for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+        return f_locals
 
     def _check_guards(self, args: tuple, kwargs: dict) -> None:
         """Debug mode: evaluate the first trace's Dynamo guards on this call's frame locals."""

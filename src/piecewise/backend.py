@@ -308,6 +308,7 @@ class PiecewiseBackend:
         for name, index, fp in plan["runners"]:
             graph = by_name[name].graph
             if fp not in callables:
+                fx_forward(graph)  # an adaptor may read the piece's code (graphs from a bundle come without it)
                 out: list[Callable[..., Any]] = []
                 for recipe in plan["recipes"][fp]:
                     if recipe[0] == "same":

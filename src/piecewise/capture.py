@@ -14,8 +14,10 @@ used directly so that the backend sees the traced source files (they enter the c
 bundle can hold our own stitching plan next to Dynamo's state.
 
 Guards kept for a warm start are those PyTorch can serialise: guards on globals and identity guards
-(``ID_MATCH``, ``FUNCTION_MATCH`` and kin) are left out, as ``aot_compile`` does; what they protect
-is covered by the bundle's source hashes and module fingerprint (`piecewise.cache.bundle`).
+(``ID_MATCH``, ``FUNCTION_MATCH`` and kin) are left out, as ``aot_compile`` does, and so are the
+per-parameter and per-submodule guards the module fingerprint already decides (`_fingerprinted`);
+what they protect is covered by the bundle's source hashes and module fingerprint
+(`piecewise.cache.bundle`).
 """
 
 from __future__ import annotations
@@ -78,8 +80,13 @@ class Capture:
 
         if self.guards_state is None:
             raise ValueError(self.why_not_saved or "guards were not serialised")
+        # The closure and defaults are the live function's (`rebuild` takes them from it): a
+        # decorated forward closes over the undecorated function, which pickles by a name that
+        # resolves to the decorator's wrapper.
+        env = dataclasses.replace(self.runtime_env, bytecode=SerializedCode.from_code_object(self.runtime_env.bytecode),
+                                  closure=None, argdefs=None, kwdefaults=None)
         state = {
-            "runtime_env": dataclasses.replace(self.runtime_env, bytecode=SerializedCode.from_code_object(self.runtime_env.bytecode)),
+            "runtime_env": env,
             "backend_id": self.backend_id,
             "original_code": SerializedCode.from_code_object(self.original_code),
             "guards_state": self.guards_state,
@@ -92,12 +99,13 @@ class Capture:
         return buf.getvalue()
 
 
-def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, module_globals: dict[str, Any]) -> Capture:
+def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.FunctionType) -> Capture:
     """A `Capture` from `Capture.dynamo_state` bytes, calling `compiled_fn` for the graph (may be
     set later, before `Capture.function`: the guards can be checked before any artifact loads).
 
-    The guard manager is rebuilt against `module_globals`; `traced_code` is empty (the bundle
-    records source hashes instead).
+    `forward` is the live function that was traced (``type(module).forward``): its globals, closure
+    and defaults are used; the guard manager is rebuilt against its globals. `traced_code` is empty
+    (the bundle records source hashes instead).
 
     Raises:
         Exception: anything unpickling or rebuilding the guards raises (a bundle from another torch
@@ -107,10 +115,26 @@ def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, module_globals:
     from torch._dynamo.package import SerializedCode, load_guard_manager, load_guards_state
 
     state = AOTCompileUnpickler({}, io.BytesIO(data)).load()
-    env = dataclasses.replace(state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode))
+    env = dataclasses.replace(state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode),
+                              closure=forward.__closure__, argdefs=forward.__defaults__, kwdefaults=forward.__kwdefaults__)
     original = SerializedCode.to_code_object(state["original_code"])
-    guards = load_guard_manager(load_guards_state(state["guards_state"]), original, module_globals)
+    if original.co_code != forward.__code__.co_code or original.co_freevars != forward.__code__.co_freevars:
+        raise ValueError(f"the bundle was traced from another {forward.__qualname__}")
+    guards = load_guard_manager(load_guards_state(state["guards_state"]), original, forward.__globals__)
     return Capture(env, state["backend_id"], compiled_fn, original, guards, state["guards_state"], [])
+
+
+def _fingerprinted(g: Any) -> bool:
+    """Guards that `piecewise.cache.bundle.module_fingerprint` already decides, left out of the saved
+    guards because they are most of them (per parameter, per submodule) and rebuilding them costs
+    more than the rest of a warm start: metadata of parameters and buffers, empty hook dicts and
+    absent instance attributes of submodules."""
+    name = g.name
+    if g.guard_type == "TENSOR_MATCH":
+        return "._parameters[" in name or "._buffers[" in name
+    if g.guard_type in ("EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT"):
+        return name.startswith(("self", "L['self']"))
+    return False
 
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[..., Any], *, full_guards: bool = False) -> Capture:
@@ -146,8 +170,15 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
         with torch._guards.tracing(ctx):
             compiled = backend(bi.graph_module, bi.example_inputs)
 
+        unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+        # guards on what forward closes over (a decorator's wrapped function): a warm start uses the
+        # live closure, whose code the source hashes cover
+        closure_sources = tuple(p for v in fn.__code__.co_freevars for p in (f"{v}.", f"{v}[", f"L['{v}']")) + tuple(fn.__code__.co_freevars)
+
         def serialisable(entries):
-            return [not (g.is_global or g.guard_type in CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES) for g in entries]
+            return [not (g.is_global or g.guard_type in unsupported or any(t in unsupported for t in g.derived_guard_types)
+                         or _fingerprinted(g) or (closure_sources and g.name.startswith(closure_sources)))
+                    for g in entries]
 
         guards_state: bytes | None = None
         why = ""
@@ -160,5 +191,10 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
             manager = None
         if full_guards or manager is None:
             manager = gco.build_guards(fn.__code__).guard_manager
-    return Capture(gco.get_runtime_env(), bi.backend_id, compiled, fn.__code__, manager, guards_state,
-                   list(gco.traced_code), why)
+    env = gco.get_runtime_env()
+    # Globals Dynamo installed for the transformed code (``___module_collections_<id>_c0`` and kin)
+    # live in the module's dict of this process only: carry them with the code.
+    for name in env.external_refs:
+        if name.startswith("___") and name not in env.used_globals and name not in env.import_sources and name in gco.f_globals:
+            env.used_globals[name] = gco.f_globals[name]
+    return Capture(env, bi.backend_id, compiled, fn.__code__, manager, guards_state, list(gco.traced_code), why)

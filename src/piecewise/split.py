@@ -26,11 +26,13 @@ __all__ = ["SplitItem", "SplitResult", "split_graph", "is_splitting_node", "deco
 def fx_forward(gm: torch.fx.GraphModule):
     """The generated ``forward`` of `gm`, bound, bypassing ``nn.Module.__call__`` (hooks, ~µs a call).
 
-    Lazy graph modules generate code on first call through ``Module.__call__``; force it now so the
-    bound method is the real one."""
+    Lazy graph modules generate code on first call through ``Module.__call__``, and graph modules
+    unpickled from a bundle have none yet; generate it now so the bound method is the real one."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     _LazyGraphModule.force_recompile(gm)
+    if "forward" not in type(gm).__dict__:  # unpickled without code (warm-start bundles generate it on use)
+        gm.recompile()
     return gm.forward
 
 

@@ -229,3 +229,82 @@ def test_fingerprint_tells_constructor_arguments_apart():
     m = ToyTransformer(2, dim=16)
     m.blocks[1].norm1.eps = 1e-3
     assert fp(m) != fp(ToyTransformer(2, dim=16))
+
+
+def test_disable_bundle_switch_always_traces_and_saves_no_bundle(tmp_path, monkeypatch):
+    import gc
+
+    monkeypatch.setenv("PIECEWISE_DISABLE_BUNDLE", "1")
+    root = str(tmp_path / "c")
+    cfg = pw.CompilationConfig(backend="eager", cache_dir=root)
+    for _ in range(2):
+        cm = pw.compile(ToyTransformer(1, dim=8), cfg, dynamic_arg_dims={"x": 0})
+        with counters.expect(dynamo_traces=1, bundle_hits=0, bundle_misses=0, bundles_saved=0):
+            cm(torch.randn(2, 8))
+        del cm
+        gc.collect()
+    assert bundle_entries(root) == [] and os.listdir(root)  # the compile entry is still written
+
+
+HF_SCRIPT = '''
+import json, sys, torch
+import piecewise as pw
+from piecewise.models import hf
+hf.register_hf_attention()
+model = {"llama": hf.tiny_llama, "bert": hf.tiny_bert}[sys.argv[1]](2)
+cm = pw.compile(model, pw.CompilationConfig(backend="eager"), dynamic_arg_dims={"input_ids": 1})
+before = pw.counters.snapshot()
+equal = True
+for n in (5, 1, 12, 3):
+    ids = torch.randint(0, 100, (1, n))
+    got, ref = cm(input_ids=ids), model(input_ids=ids)
+    key = "logits" if hasattr(ref, "logits") else "last_hidden_state"
+    equal &= type(got) is type(ref) and torch.allclose(getattr(got, key), getattr(ref, key), atol=1e-5)
+print(json.dumps({"equal": bool(equal), "counters": pw.counters.delta_since(before)}))
+'''
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_transformers_models_start_warm_from_a_bundle(tmp_path, kind):
+    """transformers wraps forward in decorators and rebuilds ModelOutput objects: the bundle carries
+    the globals Dynamo installed for that and uses the live decorator closure."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PIECEWISE_CACHE_DIR": str(tmp_path / "c")}
+    reports = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", HF_SCRIPT, kind], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        reports.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    cold, warm = (Counter(r["counters"]) for r in reports)
+    assert all(r["equal"] for r in reports)
+    assert cold["dynamo_traces"] == 1 and cold["bundles_saved"] == 1
+    assert (warm["dynamo_traces"], warm["compiler_invocations"], warm["bundle_hits"]) == (0, 0, 1)
+
+
+def test_an_unexpected_failure_while_loading_a_bundle_falls_back_with_one_warning(tmp_path, monkeypatch):
+    import gc
+    import warnings
+
+    from piecewise.cache import bundle
+
+    cfg = pw.CompilationConfig(backend="eager", cache_dir=str(tmp_path / "c"))
+    cm = pw.compile(ToyTransformer(1, dim=8), cfg, dynamic_arg_dims={"x": 0})
+    cm(torch.randn(2, 8))
+    del cm
+    gc.collect()
+
+    def broken(recorded):
+        raise RuntimeError("simulated fault while validating a bundle")
+
+    monkeypatch.setattr(bundle, "stale_sources", broken)
+    model = ToyTransformer(1, dim=8)
+    cm = pw.compile(model, cfg, dynamic_arg_dims={"x": 0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with counters.expect(dynamo_traces=1, bundle_hits=0, cache_errors=1, bundles_saved=1):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(cm(x), model(x))
+    reported = [str(w.message) for w in caught if "piecewise cache" in str(w.message)]
+    assert len(reported) == 1 and "simulated" in reported[0]

@@ -59,6 +59,8 @@ BUNDLE = "bundle"
 
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
 _PRIMITIVES = (int, float, bool, str, bytes, type(None), complex)
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks")
 
 
 def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
@@ -103,17 +105,21 @@ def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
 
 
 def module_fingerprint(module: torch.nn.Module) -> str:
-    """sha256 over every submodule's class, parameters and buffers (name, shape, dtype, device,
-    requires_grad) and its other attributes (values described two levels deep).
+    """sha256 over every submodule's class, hook counts, parameters and buffers (name, type, dtype,
+    device, shape, strides, offset, requires_grad) and its other attributes (values described two
+    levels deep). It stands in for the per-parameter and per-submodule guards a bundle leaves out
+    (`piecewise.capture`).
 
     Two instances of one class built with different arguments (layer count, width, eps, a flag)
     get different fingerprints, so they never share a bundle. Weights' values are not read."""
     h = hashlib.sha256()
     memo: dict[int, Any] = {}
     for name, m in module.named_modules(remove_duplicate=False):
-        h.update(f"M{name}:{type(m).__module__}.{type(m).__qualname__};".encode())
+        hooks = [len(getattr(m, d)) for d in _HOOK_DICTS if hasattr(m, d)]
+        h.update(f"M{name}:{type(m).__module__}.{type(m).__qualname__}:{hooks};".encode())
         for pname, p in list(m._parameters.items()) + list(m._buffers.items()):
-            desc = None if p is None else [str(p.dtype), p.device.type, list(p.shape), p.requires_grad]
+            desc = None if p is None else [type(p).__qualname__, str(p.dtype), p.device.type, list(p.shape), list(p.stride()),
+                                           p.storage_offset(), p.requires_grad]
             h.update(f"P{pname}:{desc};".encode())
         attrs = {k: _describe(v, 2, memo) for k, v in sorted(m.__dict__.items()) if k not in _MODULE_INTERNALS}
         h.update(json.dumps(attrs, sort_keys=True, default=str).encode())
@@ -209,11 +215,15 @@ def decode_bundle(data: bytes) -> dict[str, Any]:
     if not isinstance(body, dict) or body.get("format") != BUNDLE_FORMAT:
         raise ValueError("not a piecewise warm-start bundle of this format")
     gm = GraphPickler.loads(body.pop("graphs"), FakeTensorMode())
-    for m in gm.modules():  # unpickled graph modules have no generated forward yet
-        if isinstance(m, torch.fx.GraphModule):
-            m.recompile()
+    # Unpickled graph modules have no generated forward yet: the split module needs it now; a
+    # piece gets it when something runs it (`fx_forward`), so Inductor pieces never pay for it.
+    gm.recompile()
     body["split_module"] = gm
     return body
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _rank() -> int:
@@ -252,7 +262,7 @@ class WarmStart:
 
         config = model.config
         root = resolve_root(config.cache_dir)
-        if root is None or config.mode == "none":
+        if root is None or config.mode == "none" or _env_true("PIECEWISE_DISABLE_BUNDLE"):
             return None
         t0 = time.perf_counter()
         call = model._signature.describe()
@@ -261,7 +271,11 @@ class WarmStart:
         start = cls(model, CacheEntry(root, start_key(factors), model.tag, rank=_rank()), factors)
         if config.debug:
             return start  # debug mode always traces: it checks the full guards, identity guards included
-        why = start._load(backend, args, kwargs)
+        try:
+            why = start._load(backend, args, kwargs)
+        except Exception as e:  # nothing in the cache may crash the model: set the bundle aside, trace
+            start.entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
+            why = "the bundle is unusable"
         start.seconds = time.perf_counter() - t0
         start.preloaded = backend.preloaded
         if why:
@@ -288,7 +302,7 @@ class WarmStart:
         module_globals = self.model._forward_fn.__globals__
         try:
             body = decode_bundle(payload)
-            cap = rebuild(body["dynamo"], None, module_globals)
+            cap = rebuild(body["dynamo"], None, self.model._forward_fn)
         except Exception as e:  # damaged beyond the checksum (or written by another build): report, set aside
             entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
             return "the bundle is damaged"
