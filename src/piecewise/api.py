@@ -167,9 +167,10 @@ class CompiledModel:
                 self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
                 out = start.fast(self.module, *args, **kwargs)
                 total = time.perf_counter() - t0
-                self.timings = {"first_call": total, **self.backend.timings, "bundle_load": start.seconds, "dynamo": 0.0}
-                log.info("[%s] warm start from the bundle: first call %.3fs (bundle %.3fs, artifacts %.3fs), no trace",
-                         self.tag, total, start.seconds, self.backend.timings.get("cache_load", 0.0))
+                self.timings = {"first_call": total, **self.backend.timings, "bundle_load": start.seconds, "dynamo": 0.0,
+                                **{f"bundle_{k}": v for k, v in start.phases.items()}}
+                log.info("[%s] warm start from the bundle, no trace: first call %.3fs (%s)", self.tag, total,
+                         ", ".join(f"{k} {v:.3f}s" for k, v in start.phases.items()))
                 return out
             self.backend = PiecewiseBackend(self.config, self.tag, call_signature=self._signature.describe(),
                                             preloaded=start.preloaded if start is not None else None)

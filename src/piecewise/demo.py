@@ -57,6 +57,8 @@ def _medians_ms(sizes: Sequence[int], seconds: Sequence[float]) -> dict[int, flo
 
 def _cache_state(cm) -> str:
     t = counters.by_tag[cm.tag]
+    if t.bundle_hits:
+        return f"warm, no trace ({t.cache_loads} loaded)"
     if t.cache_hits:
         return f"warm ({t.cache_loads} loaded)"
     return "cold" if t.cache_misses else "off"

@@ -222,6 +222,21 @@ def decode_bundle(data: bytes) -> dict[str, Any]:
     return body
 
 
+class _Laps:
+    """Records the seconds since the previous lap under each name."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        import time
+
+        self.into, self.clock = into, time.perf_counter
+        self.last = self.clock()
+
+    def __call__(self, name: str) -> None:
+        now = self.clock()
+        self.into[name] = now - self.last
+        self.last = now
+
+
 def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -249,6 +264,9 @@ class WarmStart:
         self.backend: Any = None
         self.guards: Any = None
         self.seconds = 0.0
+        #: seconds per warm-start phase: key (fingerprint and start key), prepare (adaptor's
+        #: per-process setup), decode, guards (rebuild), restore (artifact loads and stitching)
+        self.phases: dict[str, float] = {}
         #: piece artifacts a failed warm start already loaded, handed to the tracing backend
         self.preloaded: dict[str, Any] = {}
 
@@ -269,6 +287,7 @@ class WarmStart:
         backend = PiecewiseBackend(config, model.tag, call_signature=call)
         factors = start_factors(backend, model.module, call)
         start = cls(model, CacheEntry(root, start_key(factors), model.tag, rank=_rank()), factors)
+        start.phases["key"] = time.perf_counter() - t0
         if config.debug:
             return start  # debug mode always traces: it checks the full guards, identity guards included
         try:
@@ -295,14 +314,18 @@ class WarmStart:
         entry = self.entry
         if not entry.open(None):
             return f"no bundle under {entry.path}"
+        lap = _Laps(self.phases)
         backend.adaptor.prepare_load(entry.index["meta"].get("device", "cpu"))
+        lap("prepare")
         payload = entry.load_artifact(BUNDLE)
         if payload is None:
             return "the bundle entry has no usable bundle"
         module_globals = self.model._forward_fn.__globals__
         try:
             body = decode_bundle(payload)
+            lap("decode")
             cap = rebuild(body["dynamo"], None, self.model._forward_fn)
+            lap("guards")
         except Exception as e:  # damaged beyond the checksum (or written by another build): report, set aside
             entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
             return "the bundle is damaged"
@@ -325,6 +348,7 @@ class WarmStart:
         except Exception as e:
             entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
             return "the bundle is damaged"
+        lap("restore")
         self.backend, self.guards = backend, cap.guard_manager
         self.fast = cap.function(module_globals)
         return ""
