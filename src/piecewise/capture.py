@@ -13,8 +13,9 @@ This is the same machinery as PyTorch's ``torch.compile(...).aot_compile`` (``ao
 used directly so that the backend sees the traced source files (they enter the cache key) and so the
 bundle can hold our own stitching plan next to Dynamo's state.
 
-Guards kept for a warm start are those PyTorch can serialise: guards on globals and identity guards
-(``ID_MATCH``, ``FUNCTION_MATCH`` and kin) are left out, as ``aot_compile`` does, and so are the
+Guards kept for a warm start are those PyTorch can serialise, guards on the values of module globals
+included (``torch.compile(...).aot_compile`` drops every global guard): identity guards
+(``ID_MATCH``, ``FUNCTION_MATCH`` and kin) are left out, and so are the
 per-parameter and per-submodule guards the module fingerprint already decides (`_fingerprinted`);
 what they protect is covered by the bundle's source hashes and module fingerprint
 (`piecewise.cache.bundle`).
@@ -23,6 +24,7 @@ what they protect is covered by the bundle's source hashes and module fingerprin
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import io
 import logging
 import types
@@ -118,9 +120,15 @@ def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.
     env = dataclasses.replace(state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode),
                               closure=forward.__closure__, argdefs=forward.__defaults__, kwdefaults=forward.__kwdefaults__)
     original = SerializedCode.to_code_object(state["original_code"])
-    if original.co_code != forward.__code__.co_code or original.co_freevars != forward.__code__.co_freevars:
+    live = forward.__code__
+    if (original.co_code, original.co_consts, original.co_names, original.co_freevars) != (
+            live.co_code, live.co_consts, live.co_names, live.co_freevars):
         raise ValueError(f"the bundle was traced from another {forward.__qualname__}")
-    guards = load_guard_manager(load_guards_state(state["guards_state"]), original, forward.__globals__)
+    # Guards on globals read the module's live values; names Dynamo installed (import aliases, its
+    # own globals) exist only in this scope, as they will for the transformed code.
+    scope = {**{a: importlib.import_module(m) for a, m in env.import_sources.items()}, **env.used_globals,
+             **forward.__globals__}
+    guards = load_guard_manager(load_guards_state(state["guards_state"]), original, scope)
     return Capture(env, state["backend_id"], compiled_fn, original, guards, state["guards_state"], [])
 
 
@@ -176,7 +184,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
         closure_sources = tuple(p for v in fn.__code__.co_freevars for p in (f"{v}.", f"{v}[", f"L['{v}']")) + tuple(fn.__code__.co_freevars)
 
         def serialisable(entries):
-            return [not (g.is_global or g.guard_type in unsupported or any(t in unsupported for t in g.derived_guard_types)
+            return [not (g.guard_type in unsupported or any(t in unsupported for t in g.derived_guard_types)
                          or _fingerprinted(g) or (closure_sources and g.name.startswith(closure_sources)))
                     for g in entries]
 

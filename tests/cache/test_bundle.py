@@ -308,3 +308,97 @@ def test_an_unexpected_failure_while_loading_a_bundle_falls_back_with_one_warnin
             torch.testing.assert_close(cm(x), model(x))
     reported = [str(w.message) for w in caught if "piecewise cache" in str(w.message)]
     assert len(reported) == 1 and "simulated" in reported[0]
+
+
+GLOBAL_SRC = '''
+import os
+
+import torch
+from torch import nn
+
+SCALE = float(os.environ.get("PW_TEST_SCALE", "2.0"))  # a module global read by forward
+
+
+class Model(nn.Module):
+    dim = 8
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.ops.piecewise_models.toy_attention(x, x, x)
+        return self.lin(x) * SCALE
+'''
+
+
+def test_a_module_global_with_another_value_is_not_served_from_the_bundle(tmp_path):
+    root, src = str(tmp_path / "c"), _source(tmp_path, GLOBAL_SRC)
+    assert run(root, "--source", src)[1]["bundles_saved"] == 1
+    assert run(root, "--source", src)[1]["bundle_hits"] == 1
+    report = run_worker(root, "--source", src, env={"PW_TEST_SCALE": "3.0"})  # same source, other value
+    c = Counter(report["counters"])
+    assert report["equal"], "the bundle baked in SCALE=2.0 and ran with SCALE=3.0"
+    assert (c["dynamo_traces"], c["bundle_misses"]) == (1, 1)
+
+
+def test_the_same_module_name_from_another_checkout_is_not_served_from_the_bundle(tmp_path):
+    """Two checkouts (or two scripts) define the same module and class with different code; the
+    bundle recorded the first file, which still exists unchanged."""
+    root = str(tmp_path / "c")
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v2").mkdir()
+    v1 = _source(tmp_path / "v1")
+    v2 = _source(tmp_path / "v2", MODEL_SRC.replace("* self.deep.inner.leaf.scale", "* self.deep.inner.leaf.scale * 3"))
+    assert run(root, "--source", v1)[1]["bundles_saved"] == 1
+    report, c = run(root, "--source", v2)
+    assert report["equal"], "the bundle of checkout v1 ran for checkout v2"
+    assert (c["dynamo_traces"], c["bundle_misses"]) == (1, 1)
+
+
+def test_start_key_covers_class_data_closure_values_threads_and_global_hooks():
+    import functools
+
+    from piecewise.cache.bundle import module_fingerprint, start_factors
+    from piecewise.backend import PiecewiseBackend
+
+    class Scaled(torch.nn.Module):
+        scale = 2.0
+
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    m = Scaled()
+    before = module_fingerprint(m)
+    Scaled.scale = 3.0  # class data: Dynamo's saved guard would read the live class
+    assert module_fingerprint(m) != before
+
+    def scaled(s):
+        def deco(f):
+            @functools.wraps(f)
+            def w(self, x):
+                return f(self, x) * s
+            return w
+        return deco
+
+    backend = PiecewiseBackend(pw.CompilationConfig(backend="eager"), "t")
+
+    def factors_for(s):
+        cls = type("Deco", (torch.nn.Module,), {"forward": scaled(s)(lambda self, x: x)})
+        return start_factors(backend, cls(), [])
+
+    assert factors_for(2.0)["closure"] != factors_for(3.0)["closure"]
+    base = start_factors(backend, m, [])
+    threads = torch.get_num_threads()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, i, o: o)
+    try:
+        torch.set_num_threads(1 if threads != 1 else 2)
+        other = start_factors(backend, m, [])
+    finally:
+        handle.remove()
+        torch.set_num_threads(threads)
+    assert other["threads"] != base["threads"] and other["global_hooks"] != base["global_hooks"]

@@ -34,6 +34,15 @@ def test_ls_show_verify(tmp_path, capsys):
     assert code == 1 and "checksum mismatch" in out
 
 
+def test_verify_notes_a_bundle_whose_compile_entry_is_gone(tmp_path, capsys):
+    root = str(tmp_path / "r")
+    run_worker(root)
+    (compiled,) = [e for e in tools.list_entries(root) if e.kind == "compile"]
+    _cli(capsys, "cache", "--root", root, "clear", "--key", compiled.key)
+    code, out = _cli(capsys, "cache", "--root", root, "verify")
+    assert code == 0 and "compile entry" in out and "is gone" in out
+
+
 def test_explain_names_the_differing_factor(tmp_path, capsys):
     root = str(tmp_path / "r")
     run_worker(root)

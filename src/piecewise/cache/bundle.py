@@ -24,8 +24,9 @@ artifact ``bundle``, so permissions, locking, checksums, quarantine and the CLI 
 unchanged. Its index meta names the compile entry (``compile_key``) holding the piece artifacts.
 
 Left out of the fingerprint, protected only by the guards: values hidden in objects the fingerprint
-does not walk (attributes of attributes beyond two levels, ``__slots__``). Global variables read by
-``forward`` are not guarded (as in ``torch.compile(...).aot_compile``); their source file's hash is.
+does not walk (attributes of attributes beyond two levels, ``__slots__``) and values of module
+globals read by ``forward``. Identity guards (on global functions, modules, classes) are not saved;
+the traced source files' hashes stand in for them.
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fing
 log = logging.getLogger("piecewise")
 
 #: Bump when the bundle's layout or meaning changes: old bundles then miss (different start key).
-BUNDLE_FORMAT = 1
+BUNDLE_FORMAT = 2
 #: The artifact name of the bundle inside its entry.
 BUNDLE = "bundle"
 
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
 _PRIMITIVES = (int, float, bool, str, bytes, type(None), complex)
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                     "_global_backward_pre_hooks", "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks")
 
@@ -122,8 +125,26 @@ def module_fingerprint(module: torch.nn.Module) -> str:
                                            p.storage_offset(), p.requires_grad]
             h.update(f"P{pname}:{desc};".encode())
         attrs = {k: _describe(v, 2, memo) for k, v in sorted(m.__dict__.items()) if k not in _MODULE_INTERNALS}
+        attrs["__class_data__"] = _class_data(type(m), memo)
         h.update(json.dumps(attrs, sort_keys=True, default=str).encode())
     return h.hexdigest()
+
+
+def _class_data(cls: type, memo: dict[int, Any]) -> dict[str, Any]:
+    """Data attributes of a module's class and its bases up to `torch.nn.Module` (``scale = 2.0`` set
+    on the class): Dynamo guards them by reading the live class, so a saved guard cannot tell an old
+    value from a new one."""
+    out: dict[str, Any] = {}
+    for c in cls.__mro__:
+        if c is torch.nn.Module or c is object:
+            break
+        for k, v in vars(c).items():
+            if k.startswith("__") or k in out or isinstance(v, (types.FunctionType, property, staticmethod, classmethod, type)):
+                continue
+            if callable(v) or hasattr(v, "__get__"):
+                continue
+            out[k] = _describe(v, 1, memo)
+    return out
 
 
 def start_factors(backend: Any, module: torch.nn.Module, call_signature: list[Any]) -> dict[str, Any]:
@@ -143,9 +164,22 @@ def start_factors(backend: Any, module: torch.nn.Module, call_signature: list[An
         "compiler": {"name": backend.adaptor.name, "hash": backend.adaptor.compute_hash()},
         "splitting_ops": sorted(backend.split_ops),
         "forward": f"{fwd.__module__}.{fwd.__qualname__}",
+        # what a decorated forward closes over (values included: a decorator argument changes the graph)
+        "closure": [_cell(c) for c in (fwd.__closure__ or ())],
         "call": list(call_signature),
         "module": module_fingerprint(module),
+        # process state Dynamo guards on that would otherwise make bundles of two setups overwrite
+        # each other: intra-op threads, global module hooks
+        "threads": torch.get_num_threads(),
+        "global_hooks": [len(getattr(torch.nn.modules.module, d, {})) for d in _GLOBAL_HOOK_DICTS],
     }
+
+
+def _cell(cell: types.CellType) -> Any:
+    try:
+        return _describe(cell.cell_contents, 1, {})
+    except ValueError:  # an empty cell
+        return None
 
 
 def start_key(factors: Mapping[str, Any]) -> str:
@@ -166,6 +200,31 @@ def file_hashes(filenames: Any) -> dict[str, str]:
     return out
 
 
+def traced_modules(codes: Any) -> dict[str, str]:
+    """``{module name: real path of its file}`` for the modules of the traced code objects."""
+    import inspect
+
+    out = {}
+    for code in codes:
+        mod = inspect.getmodule(code)
+        f = getattr(mod, "__file__", None)
+        if mod is not None and f:
+            out[mod.__name__] = os.path.realpath(f)
+    return out
+
+
+def moved_modules(recorded: Mapping[str, str]) -> list[str]:
+    """Recorded modules that this process imported from another file (another checkout, another
+    script run as ``__main__``) or has not imported: the bundle's code is not the code in use."""
+    out = []
+    for name, path in recorded.items():
+        live = sys.modules.get(name)
+        f = getattr(live, "__file__", None) if live is not None else None
+        if not f or os.path.realpath(f) != path:
+            out.append(f"{name} (traced from {path}, now {f or 'not imported'})")
+    return out
+
+
 def stale_sources(recorded: Mapping[str, str]) -> list[str]:
     """The recorded source files that are gone or whose content changed since the bundle was made."""
     now = file_hashes(recorded)
@@ -180,7 +239,7 @@ def _graph_options():
 
 
 def encode_bundle(split_module: torch.fx.GraphModule, piece_names: list[str], plan: dict[str, Any], dynamo: bytes,
-                  sources: dict[str, str]) -> bytes:
+                  sources: dict[str, str], modules: dict[str, str]) -> bytes:
     """The bundle bytes. `split_module` is pickled without the runners installed in its
     ``__dict__`` (names in `piece_names`); they are rebuilt from `plan` at load.
 
@@ -194,7 +253,8 @@ def encode_bundle(split_module: torch.fx.GraphModule, piece_names: list[str], pl
         graphs = GraphPickler.dumps(split_module, _graph_options())
     finally:
         split_module.__dict__.update(installed)
-    body = {"format": BUNDLE_FORMAT, "graphs": graphs, "plan": plan, "dynamo": dynamo, "sources": sources}
+    body = {"format": BUNDLE_FORMAT, "graphs": graphs, "plan": plan, "dynamo": dynamo, "sources": sources,
+            "modules": modules}
     buf = io.BytesIO()
     pickle.dump(body, buf, protocol=pickle.HIGHEST_PROTOCOL)
     return buf.getvalue()
@@ -332,11 +392,16 @@ class WarmStart:
         stale = stale_sources(body["sources"])
         if stale:
             return f"traced source {stale[0]} changed since the bundle was made"
+        moved = moved_modules(body["modules"])
+        if moved:
+            return f"module {moved[0]}"
         f_locals = self.model._f_locals(args, kwargs)
         if not cap.guard_manager.check(f_locals):
             failed = cap.guard_manager.check_verbose(f_locals).verbose_code_parts
             return f"a guard of the bundle fails for this instance or call ({failed[0] if failed else '?'})"
         plan = body["plan"]
+        if plan["cache_key"] != entry.index["meta"].get("compile_key"):
+            raise ValueError("the bundle and its index name different compile entries")
         compile_entry = CacheEntry(entry.root, plan["cache_key"], self.tag, rank=_rank())
         if not compile_entry.open(plan["cache_meta"]):
             return f"its compile entry {plan['cache_key']} is gone"
@@ -362,7 +427,7 @@ class WarmStart:
         try:
             plan = backend.plan()
             data = encode_bundle(backend.split.split_module, [it.name for it in backend.split.items], plan,
-                                 cap.dynamo_state(), file_hashes(backend.traced_files))
+                                 cap.dynamo_state(), file_hashes(backend.traced_files), traced_modules(cap.traced_code))
         except Exception as e:
             log.info("[%s] no warm-start bundle saved: %s: %s", self.tag, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return

@@ -265,7 +265,7 @@ class CacheEntry:
             with open(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            log.warning("[%s] cache artifact %s is missing; recompiling that piece", self.tag, rec["file"])
+            log.warning("[%s] cache artifact %s is missing; rebuilding it", self.tag, rec["file"])
             return None
         except OSError as e:
             report_once(f"read:{path}", f"piecewise cache: cannot read {path} ({e}); recompiling that piece")

@@ -131,6 +131,12 @@ def verify(root: str) -> tuple[list[str], list[str]]:
         except (IndexError_, OSError) as e:
             problems.append(f"{rel}: bad index: {e}")
             continue
+        if idx["meta"].get("kind") == "bundle":
+            _, rank, tag = rel.split("/")
+            target = str(idx["meta"].get("compile_key"))
+            if not os.path.isfile(os.path.join(root, target, rank, tag, INDEX)):
+                notes.append(f"{rel}: warm-start bundle whose compile entry {target} is gone; unused until the "
+                             f"next trace replaces it (clear --key {rel.split('/')[0]} removes it)")
         for name, rec in idx["artifacts"].items():
             f = os.path.join(root, *rec["file"].split("/"))
             try:
