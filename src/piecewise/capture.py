@@ -132,6 +132,12 @@ def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.
     return Capture(env, state["backend_id"], compiled_fn, original, guards, state["guards_state"], [])
 
 
+#: guards on globals kept in a bundle: they compare values (numbers, strings, tuples, tensor
+#: metadata, container sizes), not identities
+_GLOBAL_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TENSOR_MATCH", "LENGTH_CHECK", "DICT_LENGTH",
+                                  "DICT_KEYS_MATCH", "TYPE_MATCH"})
+
+
 def _fingerprinted(g: Any) -> bool:
     """Guards that `piecewise.cache.bundle.module_fingerprint` already decides, left out of the saved
     guards because they are most of them (per parameter, per submodule) and rebuilding them costs
@@ -183,20 +189,27 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
         # live closure, whose code the source hashes cover
         closure_sources = tuple(p for v in fn.__code__.co_freevars for p in (f"{v}.", f"{v}[", f"L['{v}']")) + tuple(fn.__code__.co_freevars)
 
-        def serialisable(entries):
+        def serialisable(entries, with_globals=True):
             return [not (g.guard_type in unsupported or any(t in unsupported for t in g.derived_guard_types)
-                         or _fingerprinted(g) or (closure_sources and g.name.startswith(closure_sources)))
+                         or _fingerprinted(g) or (closure_sources and g.name.startswith(closure_sources))
+                         or (g.is_global and (not with_globals or g.guard_type not in _GLOBAL_VALUE_GUARDS)))
                     for g in entries]
 
         guards_state: bytes | None = None
         why = ""
-        try:
-            check = gco.build_guards(fn.__code__, hooks=Hooks(guard_filter_fn=serialisable), save=True, strict_error=True)
-            guards_state = check.guards_state
-            manager = check.guard_manager
-        except Exception as e:  # a guard PyTorch cannot serialise: run fine, just no warm bundle
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            manager = None
+        manager = None
+        # Guards on the values of globals first; a global whose guard drags an unpicklable object
+        # along (a custom op's namespace) costs those guards, not the bundle: retry without them.
+        for with_globals in (True, False):
+            try:
+                check = gco.build_guards(fn.__code__, hooks=Hooks(guard_filter_fn=lambda e: serialisable(e, with_globals)),
+                                         save=True, strict_error=True)
+                guards_state, manager = check.guards_state, check.guard_manager
+                if not with_globals:
+                    log.info("guards on global values could not be saved (%s); the bundle relies on source hashes for them", why)
+                break
+            except Exception as e:  # a guard PyTorch cannot serialise: run fine, just no warm bundle
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if full_guards or manager is None:
             manager = gco.build_guards(fn.__code__).guard_manager
     env = gco.get_runtime_env()

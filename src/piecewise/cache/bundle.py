@@ -88,7 +88,7 @@ def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
         return {str(k): _describe(x, depth - 1, memo) for k, x in v.items()}
     code = getattr(v, "__code__", None)
     if isinstance(code, types.CodeType):  # functions and lambdas held as attributes
-        return ["function", getattr(v, "__qualname__", "?"), hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:12]]
+        return ["function", getattr(v, "__qualname__", "?"), _code_hash(code)]
     if id(v) in memo:
         return memo[id(v)]
     to_dict = getattr(v, "to_dict", None)
@@ -105,6 +105,16 @@ def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
         out = type(v).__qualname__
     memo[id(v)] = out
     return out
+
+
+def _code_hash(code: types.CodeType) -> str:
+    """A hash of a code object's bytecode, names and constants, nested code included; stable across
+    processes (a nested code object's repr carries its address)."""
+    h = hashlib.sha256(code.co_code)
+    h.update(repr(code.co_names).encode())
+    for c in code.co_consts:
+        h.update(_code_hash(c).encode() if isinstance(c, types.CodeType) else repr(c).encode())
+    return h.hexdigest()[:12]
 
 
 def module_fingerprint(module: torch.nn.Module) -> str:
