@@ -204,12 +204,20 @@ def test_root_writable_by_others_is_refused(tmp_path):
     r = run_worker(root)
     assert r["equal"] and r["counters"].get("cache_hits", 0) == 0 and r["counters"]["compiler_invocations"] == 3
     assert len(r["warnings"]) == 1 and "writable by other users" in r["warnings"][0]
-    # a group-writable entry dir deeper down is refused too
+    # a group-writable entry dir deeper down is refused too: the compile entry (nothing loads from it)...
     os.chmod(root, 0o755)
-    entry = tools.list_entries(root)[0].path
-    os.chmod(entry, 0o775)
+    entries = {e.kind: e.path for e in tools.list_entries(root)}
+    os.chmod(entries["compile"], 0o775)
     r = run_worker(root)
-    assert r["counters"].get("cache_hits", 0) == 0 and "writable by other users" in r["warnings"][0]
+    assert r["equal"] and r["counters"].get("cache_hits", 0) == 0 and r["counters"].get("bundle_hits", 0) == 0
+    assert len(r["warnings"]) == 1 and "writable by other users" in r["warnings"][0]
+    # ...and the bundle entry (the model traces; the compile entry, private again, serves the pieces)
+    os.chmod(entries["compile"], 0o755)
+    os.chmod(entries["bundle"], 0o775)
+    r = run_worker(root)
+    assert r["equal"] and r["counters"].get("bundle_hits", 0) == 0 and r["counters"]["dynamo_traces"] == 1
+    assert r["counters"]["cache_hits"] == 1 and "compiler_invocations" not in r["counters"]
+    assert len(r["warnings"]) == 1 and "writable by other users" in r["warnings"][0]
 
 
 def test_disable_cache_reads_and_writes_nothing(tmp_path):
