@@ -22,7 +22,7 @@ import torch.fx
 from torch._dispatch.python import enable_python_dispatcher
 
 from .cache.key import KEY_FORMAT, compute_key, diff_factors, env_factors, input_signature, source_factors
-from .cache.store import CacheEntry, resolve_root
+from .cache.store import CacheEntry, current_rank, resolve_root
 from .compilers import CompiledPiece, CompilerAdaptor, get_adaptor
 from .compilers.base import CompileTarget
 from .compilers.inductor import dispatch_symbol
@@ -174,8 +174,7 @@ class PiecewiseBackend:
         if root is None:
             return None
         key = compute_key(self.factors)
-        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-        entry = CacheEntry(root, key, self.tag, rank=rank)
+        entry = CacheEntry(root, key, self.tag, rank=current_rank())
         self._cache_meta = {
             "num_pieces": len(self.split.items),
             "num_compiled": len(self.split.items) - self.split.num_splitting,

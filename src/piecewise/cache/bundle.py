@@ -46,10 +46,10 @@ from typing import Any
 
 import torch
 
-from .key import KEY_FORMAT, compute_key, env_factors
+from .key import KEY_FORMAT, compute_key, env_factors, file_hashes
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fingerprint", "encode_bundle", "decode_bundle",
-           "stale_sources", "file_hashes"]
+           "stale_sources"]
 
 log = logging.getLogger("piecewise")
 
@@ -196,20 +196,6 @@ def start_key(factors: Mapping[str, Any]) -> str:
     return compute_key(factors)
 
 
-def file_hashes(filenames: Any) -> dict[str, str]:
-    """``{absolute path: sha256}`` of every real traced file (virtual ones skipped)."""
-    out = {}
-    for fn in sorted(set(filenames)):
-        if fn.startswith("<") or not os.path.isfile(fn):
-            continue
-        try:
-            with open(fn, "rb") as f:
-                out[fn] = hashlib.sha256(f.read()).hexdigest()
-        except OSError:
-            continue
-    return out
-
-
 def traced_modules(codes: Any) -> dict[str, str]:
     """``{module name: real path of its file}`` for the modules of the traced code objects."""
     import inspect
@@ -307,15 +293,6 @@ class _Laps:
         self.last = now
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 class WarmStart:
     """The bundle side of one compiled model's first call.
 
@@ -346,17 +323,17 @@ class WarmStart:
 
         from ..backend import PiecewiseBackend
         from ..counters import counters
-        from .store import CacheEntry, resolve_root
+        from .store import CacheEntry, current_rank, env_flag, resolve_root
 
         config = model.config
         root = resolve_root(config.cache_dir)
-        if root is None or config.mode == "none" or _env_true("PIECEWISE_DISABLE_BUNDLE"):
+        if root is None or config.mode == "none" or env_flag("PIECEWISE_DISABLE_BUNDLE"):
             return None
         t0 = time.perf_counter()
         call = model._signature.describe()
         backend = PiecewiseBackend(config, model.tag, call_signature=call)
         factors = start_factors(backend, model.module, call)
-        start = cls(model, CacheEntry(root, start_key(factors), model.tag, rank=_rank()), factors)
+        start = cls(model, CacheEntry(root, start_key(factors), model.tag, rank=current_rank()), factors)
         start.phases["key"] = time.perf_counter() - t0
         if config.debug:
             return start  # debug mode always traces: it checks the full guards, identity guards included
@@ -379,7 +356,7 @@ class WarmStart:
         from ..capture import rebuild
         from ..errors import CompileError
         from ..split import SplitResult
-        from .store import CacheEntry
+        from .store import CacheEntry, current_rank
 
         entry = self.entry
         if not entry.open(None):
@@ -412,7 +389,7 @@ class WarmStart:
         plan = body["plan"]
         if plan["cache_key"] != entry.index["meta"].get("compile_key"):
             raise ValueError("the bundle and its index name different compile entries")
-        compile_entry = CacheEntry(entry.root, plan["cache_key"], self.tag, rank=_rank())
+        compile_entry = CacheEntry(entry.root, plan["cache_key"], self.tag, rank=current_rank())
         if not compile_entry.open(plan["cache_meta"]):
             return f"its compile entry {plan['cache_key']} is gone"
         try:

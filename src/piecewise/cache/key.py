@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENV_ALLOWLIST", "env_factors", "source_factors", "input_signature", "compute_key", "diff_factors", "KEY_FORMAT"]
+__all__ = ["ENV_ALLOWLIST", "env_factors", "file_hashes", "source_factors", "input_signature", "compute_key", "diff_factors", "KEY_FORMAT"]
 
 #: Bump when the meaning of factors or the entry layout changes: old entries then miss.
 KEY_FORMAT = 1
@@ -50,23 +50,31 @@ def _is_virtual(filename: str) -> bool:
     return filename.startswith("<") or not os.path.isfile(filename)
 
 
-def source_factors(filenames: Iterable[str]) -> dict[str, str]:
-    """``{basename#short-path-hash: sha256 of content}`` for every real traced file.
-
-    Virtual files (``<string>``, ``<frozen ...>``, FX's ``<eval_with_key>``) are skipped. The key
-    uses the file's content and base name, not its absolute path, so the same code checked out
-    elsewhere still hits."""
+def file_hashes(filenames: Iterable[str]) -> dict[str, str]:
+    """``{path: sha256 of content}`` for every real file among `filenames`, sorted by path.
+    Virtual files (``<string>``, ``<frozen ...>``, FX's ``<eval_with_key>``) and unreadable ones
+    are skipped."""
     out: dict[str, str] = {}
     for fn in sorted(set(filenames)):
         if _is_virtual(fn):
             continue
         try:
             with open(fn, "rb") as f:
-                digest = hashlib.sha256(f.read()).hexdigest()
+                out[fn] = hashlib.sha256(f.read()).hexdigest()
         except OSError:
             continue
+    return out
+
+
+def source_factors(filenames: Iterable[str]) -> dict[str, str]:
+    """``{basename: sha256 of content}`` for every real traced file (see `file_hashes`).
+
+    The key uses the file's content and base name, not its absolute path, so the same code checked
+    out elsewhere still hits."""
+    out: dict[str, str] = {}
+    for fn, digest in file_hashes(filenames).items():
         name = os.path.basename(fn)
-        # two traced files may share a base name (__init__.py): keep both, ordered by content
+        # two traced files may share a base name (__init__.py): keep both, ordered by path
         while name in out:
             name += "+"
         out[name] = digest

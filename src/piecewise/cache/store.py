@@ -62,10 +62,23 @@ def report_once(key: str, message: str) -> bool:
     return True
 
 
+def env_flag(name: str) -> bool:
+    """Whether environment variable `name` is set to 1/true/yes/on (any case)."""
+    return os.environ.get(name, "").strip().lower() in _DISABLE_VALUES
+
+
+def current_rank() -> int:
+    """This process's rank in an initialised `torch.distributed` group, else 0 (entries are per rank)."""
+    import torch
+
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def resolve_root(cache_dir: str | None) -> str | None:
     """The cache root: None when ``PIECEWISE_DISABLE_CACHE`` is set, else `cache_dir`, else
     ``PIECEWISE_CACHE_DIR``, else the platform's user cache dir (`platformdirs`)."""
-    if os.environ.get("PIECEWISE_DISABLE_CACHE", "").strip().lower() in _DISABLE_VALUES:
+    if env_flag("PIECEWISE_DISABLE_CACHE"):
         return None
     if cache_dir:
         return os.path.abspath(os.path.expanduser(cache_dir))
