@@ -67,8 +67,14 @@ class Capture:
 
         Its globals are a copy of `module_globals` (the module defining ``forward``) plus Dynamo's
         import aliases and the compiled graph under `backend_id`; the module's own dict is not
-        touched."""
-        return self.runtime_env.forward_callable(self.backend_id, self.compiled_fn, extra_globals=module_globals)
+        touched. Builtins the bytecode names are passed too: torch 2.11's runtime env neither
+        records them nor looks in ``__builtins__`` when it checks the names are all present."""
+        import builtins
+
+        refs = getattr(self.runtime_env, "external_refs", ())
+        used = {r: getattr(builtins, r) for r in refs if r not in module_globals and hasattr(builtins, r)}
+        return self.runtime_env.forward_callable(self.backend_id, self.compiled_fn,
+                                                 extra_globals={**used, **module_globals})
 
     def dynamo_state(self) -> bytes:
         """The Dynamo half (bytecode, runtime globals, guards) as bytes for `rebuild`.

@@ -1,19 +1,34 @@
-"""Decode-step benchmark on a CUDA GPU: eager vs piecewise graphs vs full graphs.
+"""Decode-step benchmark on a CUDA GPU: eager, ``torch.compile`` and piecewise side by side.
 
 ``python -m piecewise.bench.gpu_decode`` builds the reference Llama decoder (8 layers, hidden 1024,
 GQA 16/8 heads, bf16), then times decode steps of 1, 8, 32 and 64 sequences (one token each,
-positions ~128 deep in the KV cache) for: eager; piecewise Inductor pieces replayed as CUDA graphs
-(``cudagraph_mode="piecewise"``); the whole forward as one CUDA graph (``"full"``). Prints a
-Markdown table of median step microseconds and speedups over eager from the same run.
+positions ~128 deep in the KV cache) for:
+
+* ``eager``;
+* ``torch.compile`` with Inductor, full graph, no CUDA graphs (``compile default``);
+* ``torch.compile(mode="reduce-overhead")``: Inductor plus PyTorch's own CUDA graph trees, one graph
+  recorded per distinct batch size (``compile reduce-overhead``);
+* piecewise Inductor pieces replayed as CUDA graphs per capture size (``piecewise graphs``);
+* piecewise with the whole forward as one CUDA graph (``piecewise full``).
+
+Each system times ``steps`` steps per batch size after 5 warm-up steps of that size, fresh token ids
+on every step; the figure is the median wall time per step in microseconds, the device synchronized
+after each step. Prints a Markdown table and the first call's seconds (compile + capture); run it
+twice with the same ``TORCHINDUCTOR_CACHE_DIR`` and ``PIECEWISE_CACHE_DIR`` for cold and warm start.
+``--json PATH`` also writes the figures.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import sys
 import time
 
 import torch
+
+SYSTEMS = ("eager", "compile default", "compile reduce-overhead", "piecewise graphs", "piecewise full")
 
 
 def _step_inputs(cfg, b: int, device: str):
@@ -23,7 +38,8 @@ def _step_inputs(cfg, b: int, device: str):
     return ids, pos, seq
 
 
-def _time(fn, inputs, steps: int) -> float:
+def _time(fn, inputs, steps: int) -> tuple[float, float, float]:
+    """(median, p10, p90) microseconds per step over ``steps`` steps after 5 warm-up steps."""
     for x in inputs[:5]:
         fn(*x)
     torch.cuda.synchronize()
@@ -33,45 +49,74 @@ def _time(fn, inputs, steps: int) -> float:
         fn(*x)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    q = statistics.quantiles(times, n=10)
+    return statistics.median(times), q[0], q[-1]
 
 
-def main(steps: int = 100, batches: tuple[int, ...] = (1, 8, 32, 64)) -> int:
+def _build(name: str, model, dims):
+    import piecewise as pw
+
+    if name == "eager":
+        return model
+    if name == "compile default":
+        return torch.compile(model, backend="inductor", fullgraph=True)
+    if name == "compile reduce-overhead":
+        return torch.compile(model, backend="inductor", fullgraph=True, mode="reduce-overhead")
+    mode = {"piecewise graphs": "piecewise", "piecewise full": "full"}[name]
+    return pw.compile(model, pw.CompilationConfig(backend="inductor", max_num_tokens=64, cudagraph_mode=mode,
+                                                  tag=f"gpu_decode_{mode}"), dynamic_arg_dims=dims)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU decode benchmark needs one")
         return 1
-    import piecewise as pw
     from piecewise.models import LlamaConfig, LlamaForCausalLM
 
+    batches = tuple(int(b) for b in a.batches.split(","))
+    systems = [s.strip() for s in a.systems.split(",")]
     torch.set_grad_enabled(False)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=a.layers, num_heads=16,
                       num_kv_heads=8, head_dim=64, max_num_seqs=64, max_seq_len=256, dtype=torch.bfloat16)
     dims = {"input_ids": 0, "positions": 0, "seq_ids": 0}
-    systems = {"eager": None, "piecewise graphs": "piecewise", "full graph": "full"}
-    rows: dict[str, dict[int, float]] = {}
-    compile_s: dict[str, float] = {}
-    for name, mode in systems.items():
+    rows: dict[str, dict[int, tuple[float, float, float]]] = {}
+    first_s: dict[str, float] = {}
+    for name in systems:
+        torch._dynamo.reset()
         model = LlamaForCausalLM(cfg, seed=0).cuda()
-        fn = model
-        if mode is not None:
-            fn = pw.compile(model, pw.CompilationConfig(backend="inductor", max_num_tokens=64, cudagraph_mode=mode,
-                                                        tag=f"gpu_decode_{mode}"), dynamic_arg_dims=dims)
+        fn = _build(name, model, dims)
         t0 = time.perf_counter()
         fn(*_step_inputs(cfg, 8, "cuda"))
         torch.cuda.synchronize()
-        compile_s[name] = time.perf_counter() - t0
-        rows[name] = {b: _time(fn, [_step_inputs(cfg, b, "cuda") for _ in range(steps + 5)], steps) for b in batches}
+        first_s[name] = time.perf_counter() - t0
+        rows[name] = {b: _time(fn, [_step_inputs(cfg, b, "cuda") for _ in range(a.steps + 5)], a.steps)
+                      for b in batches}
+        print(f"{name}: first call {first_s[name]:.1f} s; median us per step "
+              + ", ".join(f"b{b} {v[0]:.0f}" for b, v in rows[name].items()), flush=True)
         del fn, model
         torch.cuda.empty_cache()
     print(f"GPU decode step, {torch.cuda.get_device_name(0)}, torch {torch.__version__}, reference Llama "
-          f"{cfg.num_layers} layers hidden {cfg.hidden_size} bf16; median of {steps} steps (us)\n")
-    print("| batch | " + " | ".join(systems) + " | piecewise speedup | full speedup |")
-    print("|---:|" + "---:|" * (len(systems) + 2))
+          f"{cfg.num_layers} layers hidden {cfg.hidden_size} bf16; median (p10-p90) of {a.steps} steps, us\n")
+    print("| batch | " + " | ".join(systems) + " | " + " | ".join(f"{s} / eager" for s in systems[1:]) + " |")
+    print("|---:|" + "---:|" * (2 * len(systems) - 1))
     for b in batches:
-        e = rows["eager"][b]
-        print(f"| {b} | " + " | ".join(f"{rows[s][b]:.0f}" for s in systems)
-              + f" | {e / rows['piecewise graphs'][b]:.2f}x | {e / rows['full graph'][b]:.2f}x |")
-    print("\nfirst call (compile + capture) seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
+        e = rows[systems[0]][b][0]
+        print(f"| {b} | " + " | ".join(f"{rows[s][b][0]:.0f} ({rows[s][b][1]:.0f}-{rows[s][b][2]:.0f})" for s in systems)
+              + " | " + " | ".join(f"{rows[s][b][0] / e:.2f}" for s in systems[1:]) + " |")
+    print("\nfirst call (trace + compile or cache load + capture), s: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in first_s.items()))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": a.layers,
+                       "steps": a.steps, "first_call_s": first_s,
+                       "step_us": {s: {str(b): v for b, v in r.items()} for s, r in rows.items()}}, f, indent=1)
     return 0
 
 

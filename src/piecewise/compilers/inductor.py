@@ -14,6 +14,7 @@ the manager's own uuid adds the target, so Inductor's FX graph cache keys differ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..errors import CompileError
 from .base import CompiledPiece, CompilerAdaptor, CompileTarget
@@ -75,10 +77,14 @@ class InductorAdaptor(CompilerAdaptor):
         options = {"config_patches": self._patches_for(target)}
         try:
             if target.size is not None:
-                inputs, fake_mode = _static_inputs(example_inputs, target.size, target.symbol)
-                art = standalone_compile(
-                    graph, inputs, dynamic_shapes="from_example_inputs", options=options, aot=True, fake_mode=fake_mode
-                )
+                if _takes_fake_mode(standalone_compile):
+                    inputs, fake_mode = _static_inputs(example_inputs, target.size, target.symbol)
+                    art = standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs", options=options,
+                                             aot=True, fake_mode=fake_mode)
+                else:  # torch 2.11 makes its own fake mode: hand it real (uninitialised) inputs
+                    inputs, _ = _static_inputs(example_inputs, target.size, target.symbol, fake=False)
+                    art = standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs", options=options,
+                                             aot=True)
             else:
                 art = standalone_compile(
                     graph, list(example_inputs), dynamic_shapes="from_tracing_context", options=options, aot=True
@@ -95,10 +101,9 @@ class InductorAdaptor(CompilerAdaptor):
         """The Inductor config patches of one compile: ours plus the pass manager for `target`."""
         patches = dict(self.config_patches)
         if self.passes.passes:  # none configured: keep Inductor's cache shared across targets
-            from torch._inductor.custom_graph_pass import get_custom_graph_passes
-
-            user = get_custom_graph_passes(patches.get("post_grad_custom_post_pass"))
-            patches["post_grad_custom_post_pass"] = [self.passes.for_target(target), *user]
+            user = patches.get("post_grad_custom_post_pass")
+            user = list(user) if isinstance(user, (list, tuple)) else [user] if user else []
+            patches["post_grad_custom_post_pass"] = _post_passes([self.passes.for_target(target), *user])
         return patches
 
     def prepare_load(self, device: str) -> None:
@@ -149,15 +154,42 @@ def _probe_vec_isas() -> None:
     cpu_vec_isa.valid_vec_isa_list()  # memoised per process; reads the probes' memoised answers
 
 
+class _ChainedPasses(CustomGraphPass):
+    """Several post-grad passes as one, for Inductor releases whose ``post_grad_custom_post_pass``
+    takes a single pass (torch 2.11 and older; 2.13 takes a list). Runs them in order; its uuid
+    combines theirs (None, bypassing Inductor's FX graph cache, when any has none)."""
+
+    def __init__(self, passes: list[Any]) -> None:
+        self.passes = passes
+
+    def __call__(self, graph: Any) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> Any:
+        ids = [p.uuid() if hasattr(p, "uuid") else None for p in self.passes]
+        if any(u is None for u in ids):
+            return None
+        return hashlib.sha256(repr(ids).encode()).hexdigest()
+
+
+def _post_passes(passes: list[Any]) -> Any:
+    """The ``post_grad_custom_post_pass`` value running `passes` in order on this Inductor."""
+    import torch._inductor.custom_graph_pass as cgp
+
+    if len(passes) == 1 or hasattr(cgp, "get_custom_graph_passes"):  # the list form exists
+        return passes[0] if len(passes) == 1 else passes
+    return _ChainedPasses(passes)
+
+
 def _custom_pass_ids(value: Any) -> list[str] | None:
     """Stable ids of Inductor custom passes given in ``inductor_options`` (None: none given). A
-    pass without ``uuid()`` gets its qualified name: Inductor itself bypasses its cache for it."""
-    from torch._inductor.custom_graph_pass import get_custom_graph_passes
-
+    pass without ``uuid()`` gets its qualified name: Inductor itself bypasses its cache for it.
+    Inductor (2.13) takes one pass or a list of them."""
     if not value:
         return None
     out = []
-    for p in get_custom_graph_passes(value):
+    for p in value if isinstance(value, (list, tuple)) else (value,):
         u = p.uuid() if hasattr(p, "uuid") else None
         out.append(u.hex() if isinstance(u, bytes) else repr(u) if u is not None else f"{type(p).__module__}.{type(p).__qualname__}")
     return out
@@ -168,8 +200,18 @@ def _returns_single_value(graph: torch.fx.GraphModule) -> bool:
     return not isinstance(out.args[0], (tuple, list))
 
 
-def _static_inputs(example_inputs: Sequence[Any], size: int, symbol: Any = None) -> tuple[list[Any], Any]:
-    """Concrete fake inputs for a size compile: the dispatch symbol becomes `size`.
+def _takes_fake_mode(fn: Callable[..., Any]) -> bool:
+    """Whether this torch's ``standalone_compile`` accepts ``fake_mode`` (2.13 does, 2.11 not)."""
+    import inspect
+
+    return "fake_mode" in inspect.signature(fn).parameters
+
+
+def _static_inputs(example_inputs: Sequence[Any], size: int, symbol: Any = None,
+                   fake: bool = True) -> tuple[list[Any], Any]:
+    """Concrete fake inputs for a size compile: the dispatch symbol becomes `size`. With
+    ``fake=False``, real uninitialised tensors of those shapes (and None for the mode): the inputs'
+    bytes are allocated for the compile's duration.
 
     Raises:
         CompileError: an input depends on a symbol other than the dispatch symbol, so a static
@@ -179,7 +221,7 @@ def _static_inputs(example_inputs: Sequence[Any], size: int, symbol: Any = None)
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     symbol = symbol if symbol is not None else dispatch_symbol(example_inputs)
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv()) if fake else None
 
     def concrete(v: Any) -> int:
         if isinstance(v, torch.SymInt):
@@ -194,7 +236,7 @@ def _static_inputs(example_inputs: Sequence[Any], size: int, symbol: Any = None)
         return int(v)
 
     out: list[Any] = []
-    with fake_mode:
+    with fake_mode or contextlib.nullcontext():
         for x in example_inputs:
             if isinstance(x, torch.Tensor):
                 out.append(
