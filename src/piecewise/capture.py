@@ -27,6 +27,7 @@ import dataclasses
 import importlib
 import io
 import logging
+import re
 import types
 from collections.abc import Callable
 from typing import Any
@@ -144,16 +145,78 @@ _GLOBAL_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TENSOR_MATC
                                   "DICT_KEYS_MATCH", "TYPE_MATCH"})
 
 
-def _fingerprinted(g: Any) -> bool:
+_SUBMODULE_STEP = re.compile(r"\._modules\[(['\"])(.+?)\1\]")
+_MODULE_DICTS = ("._modules", "._parameters", "._buffers")
+_TENSOR_SLOT = re.compile(r"\._(parameters|buffers)\[(['\"])(.+?)\2\]$")
+_ATTR_PATH = re.compile(r"\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?$")
+#: guard types on module state that compare values or types (never identities) and that the
+#: fingerprint decides when their path is one it describes (`_fingerprint_covers`)
+_MODULE_VALUE_GUARDS = frozenset({"TYPE_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH", "DICT_KEYS_MATCH", "DICT_LENGTH",
+                                  "LENGTH_CHECK"})
+_PRIMITIVE_VALUES = (int, float, bool, str, bytes, type(None), complex, torch.dtype, torch.device)
+
+
+def _fingerprint_covers(path: str, root: torch.nn.Module) -> bool:
+    """Whether `module_fingerprint` records the value and type at guard path `path` of `root`
+    (``L['self']`` followed by submodule steps, then: nothing; a module's ``_modules`` /
+    ``_parameters`` / ``_buffers`` dict; one of its parameter or buffer slots; an instance
+    attribute; or a primitive field of an instance attribute that the fingerprint describes)."""
+    for prefix in ("L['self']", "self"):
+        if path.startswith(prefix):
+            rest = path[len(prefix):]
+            break
+    else:
+        return False
+    m = root
+    while (step := _SUBMODULE_STEP.match(rest)) is not None:
+        sub = m._modules.get(step.group(2))
+        if not isinstance(sub, torch.nn.Module):
+            return False
+        m, rest = sub, rest[step.end():]
+    if rest == "" or rest in _MODULE_DICTS or _TENSOR_SLOT.fullmatch(rest):
+        return True
+    attr = _ATTR_PATH.fullmatch(rest)
+    if attr is None or attr.group(1) not in m.__dict__ or attr.group(1).startswith("_"):
+        return False
+    value = m.__dict__[attr.group(1)]
+    if attr.group(2) is None:
+        return isinstance(value, _PRIMITIVE_VALUES) or not isinstance(value, torch.nn.Module)
+    # one field deeper: the fingerprint describes dataclasses, objects with to_dict and plain
+    # objects' __dict__ two levels deep, so a primitive field is recorded by value
+    field = attr.group(2)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        held = field in {f.name for f in dataclasses.fields(value)}
+    elif callable(getattr(value, "to_dict", None)):
+        try:
+            held = field in value.to_dict()
+        except Exception:
+            held = False
+    else:
+        held = field in getattr(value, "__dict__", {})
+    return held and isinstance(getattr(value, field, None), _PRIMITIVE_VALUES)
+
+
+def _fingerprinted(g: Any, root: torch.nn.Module) -> bool:
     """Guards that `piecewise.cache.bundle.module_fingerprint` already decides, left out of the saved
     guards because they are most of them (per parameter, per submodule) and rebuilding them costs
     more than the rest of a warm start: metadata of parameters and buffers, empty hook dicts and
-    absent instance attributes of submodules."""
+    absent instance attributes of submodules, types of submodules and their dicts, values of
+    their instance attributes (``eps``, a config's ``head_dim``), and which of them are the same
+    object (``DUPLICATE_INPUT``; the fingerprint records aliasing). With none of them left, the
+    saved guards no longer carry a pickled copy of the module tree (~35 KB a decoder layer)."""
     name = g.name
     if g.guard_type == "TENSOR_MATCH":
         return "._parameters[" in name or "._buffers[" in name
     if g.guard_type in ("EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT"):
         return name.startswith(("self", "L['self']"))
+    if g.guard_type in _MODULE_VALUE_GUARDS:
+        return _fingerprint_covers(name, root)
+    if g.guard_type == "DUPLICATE_INPUT":
+        other = getattr(getattr(g.orig_guard, "create_fn", None), "keywords", {}).get("source_b")
+        other_name = getattr(other, "name", None)
+        other_name = other_name() if callable(other_name) else other_name
+        return (isinstance(other_name, str) and _fingerprint_covers(name, root)
+                and _fingerprint_covers(other_name, root))
     return False
 
 
@@ -197,7 +260,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
 
         def serialisable(entries, with_globals=True):
             return [not (g.guard_type in unsupported or any(t in unsupported for t in g.derived_guard_types)
-                         or _fingerprinted(g) or (closure_sources and g.name.startswith(closure_sources))
+                         or _fingerprinted(g, module) or (closure_sources and g.name.startswith(closure_sources))
                          or (g.is_global and (not with_globals or g.guard_type not in _GLOBAL_VALUE_GUARDS)))
                     for g in entries]
 
@@ -206,10 +269,18 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
         manager = None
         # Guards on the values of globals first; a global whose guard drags an unpicklable object
         # along (a custom op's namespace) costs those guards, not the bundle: retry without them.
+        # Dicts whose key order Dynamo relies on (a ModuleList's ``_modules``): the fingerprint
+        # records module names in order, so the saved guards need not reach into the module.
+        og = gco.output_graph
+        key_order = og.guard_on_key_order
         for with_globals in (True, False):
             try:
-                check = gco.build_guards(fn.__code__, hooks=Hooks(guard_filter_fn=lambda e: serialisable(e, with_globals)),
-                                         save=True, strict_error=True)
+                og.guard_on_key_order = {s for s in key_order if not _fingerprint_covers(s.name, module)}
+                try:
+                    check = gco.build_guards(fn.__code__, hooks=Hooks(guard_filter_fn=lambda e: serialisable(e, with_globals)),
+                                             save=True, strict_error=True)
+                finally:
+                    og.guard_on_key_order = key_order
                 guards_state, manager = check.guards_state, check.guard_manager
                 if not with_globals:
                     log.info("guards on global values could not be saved (%s); the bundle relies on source hashes for them", why)

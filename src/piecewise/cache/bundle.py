@@ -118,23 +118,34 @@ def _code_hash(code: types.CodeType) -> str:
 
 
 def module_fingerprint(module: torch.nn.Module) -> str:
-    """sha256 over every submodule's class, hook counts, parameters and buffers (name, type, dtype,
-    device, shape, strides, offset, requires_grad) and its other attributes (values described two
-    levels deep). It stands in for the per-parameter and per-submodule guards a bundle leaves out
+    """sha256 over every submodule's class, hook counts, types of its module/parameter/buffer dicts,
+    parameters and buffers (name, type, dtype, device, shape, strides, offset, requires_grad), its
+    other attributes (values described two levels deep), and which submodules, tensors and
+    attribute objects are one object reached by two paths (tied weights, a config shared by every
+    layer). It stands in for the per-parameter and per-submodule guards a bundle leaves out
     (`piecewise.capture`).
 
     Two instances of one class built with different arguments (layer count, width, eps, a flag)
     get different fingerprints, so they never share a bundle. Weights' values are not read."""
     h = hashlib.sha256()
     memo: dict[int, Any] = {}
+    first: dict[int, str] = {}  # id -> first path: which modules, tensors and attribute objects are shared
+
+    def alias(obj: Any, path: str) -> str:
+        if isinstance(obj, _PRIMITIVES):
+            return ""
+        return "=" + first[id(obj)] if first.setdefault(id(obj), path) != path else ""
+
     for name, m in module.named_modules(remove_duplicate=False):
         hooks = [len(getattr(m, d)) for d in _HOOK_DICTS if hasattr(m, d)]
-        h.update(f"M{name}:{type(m).__module__}.{type(m).__qualname__}:{hooks};".encode())
+        dicts = [type(getattr(m, d, None)).__qualname__ for d in ("_modules", "_parameters", "_buffers")]
+        h.update(f"M{name}{alias(m, name)}:{type(m).__module__}.{type(m).__qualname__}:{hooks}:{dicts};".encode())
         for pname, p in list(m._parameters.items()) + list(m._buffers.items()):
             desc = None if p is None else [type(p).__qualname__, str(p.dtype), p.device.type, list(p.shape), list(p.stride()),
                                            p.storage_offset(), p.requires_grad]
-            h.update(f"P{pname}:{desc};".encode())
-        attrs = {k: _describe(v, 2, memo) for k, v in sorted(m.__dict__.items()) if k not in _MODULE_INTERNALS}
+            h.update(f"P{pname}{alias(p, name + '.' + pname) if p is not None else ''}:{desc};".encode())
+        attrs = {k + alias(v, f"{name}.{k}"): _describe(v, 2, memo)
+                 for k, v in sorted(m.__dict__.items()) if k not in _MODULE_INTERNALS}
         attrs["__class_data__"] = _class_data(type(m), memo)
         h.update(json.dumps(attrs, sort_keys=True, default=str).encode())
     return h.hexdigest()
@@ -273,7 +284,12 @@ def decode_bundle(data: bytes) -> dict[str, Any]:
     gm = GraphPickler.loads(body.pop("graphs"), FakeTensorMode())
     # Unpickled graph modules have no generated forward yet: the split module needs it now; a
     # piece gets it when something runs it (`fx_forward`), so Inductor pieces never pay for it.
-    gm.recompile()
+    # GraphModule.recompile also regenerates every submodule (~5 ms a piece): shadowed here.
+    gm._recompile_submodules = list
+    try:
+        gm.recompile()
+    finally:
+        del gm._recompile_submodules
     body["split_module"] = gm
     return body
 
