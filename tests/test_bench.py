@@ -42,3 +42,17 @@ def test_worker_measures_and_counts_no_recompiles():
     assert "| 4 |" in md and "Dispatch overhead per piece" in md and "| planned |" in md and "traced" in md
     runs = [{"compile_s": c} for c in (3.0, 1.0, 2.0)]
     assert _median_run(runs)["compile_s"] == 2.0 and _median_run(runs)["compile_s_runs"] == [3.0, 1.0, 2.0]
+
+
+def test_steady_state_of_several_processes_is_the_median_process_per_batch():
+    from piecewise.bench.suite import _median_latency
+
+    def run(b1, b8, recompiles=0):
+        return {"system": "s", "recompiles": recompiles,
+                "latency": {"1": {"median_us": b1, "p10_us": b1 - 1, "p90_us": b1 + 1},
+                            "8": {"median_us": b8, "p10_us": b8 - 1, "p90_us": b8 + 1}}}
+
+    out = _median_latency([run(30, 5), run(10, 9, recompiles=1), run(20, 7)])
+    assert out["latency"]["1"]["median_us"] == 20 and out["latency"]["1"]["p90_us"] == 21
+    assert out["latency"]["8"]["median_us"] == 7 and out["latency"]["8"]["median_runs_us"] == [5, 9, 7]
+    assert out["recompiles"] == 1  # the worst process counts
