@@ -109,26 +109,30 @@ def llama_attention(
     if ctx is not None and ctx.runtime_mode == "full" and ctx.num_tokens_device is not None:
         return _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, ctx.num_tokens_device)
     n = q.shape[0] if ctx is None else min(ctx.num_tokens, q.shape[0])
-    out = torch.zeros_like(q)
     if n == 0:
-        return out
+        return torch.zeros_like(q)
     pos, seq = positions[:n], seq_ids[:n]
-    k_cache[seq, pos] = k[:n]
-    v_cache[seq, pos] = v[:n]
-
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
-    keys = k_cache[seq].float()  # [n, max_seq_len, num_kv_heads, head_dim]
-    values = v_cache[seq].float()
-    # Query head h reads kv head h // group; viewing q as [n, kv, group, d] expresses that without
-    # materialising repeated kv heads.
-    qg = q[:n].float().reshape(n, num_kv_heads, group, head_dim)
-    scores = torch.einsum("nkgd,nskd->nkgs", qg, keys) * scale
-    future = torch.arange(k_cache.shape[1], device=q.device)[None, :] > pos[:, None]  # [n, max_seq_len]
-    scores = scores.masked_fill(future[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out[:n] = torch.einsum("nkgs,nskd->nkgd", probs, values).reshape(n, -1, head_dim).to(q.dtype)
+    k_cache.index_put_((seq, pos), k[:n])
+    v_cache.index_put_((seq, pos), v[:n])
+    out = _cached_attention(q[:n], k_cache, v_cache, seq, pos, scale)
+    if n < q.shape[0]:  # pad rows: zero
+        out = torch.cat((out, q.new_zeros((q.shape[0] - n, *q.shape[1:]))))
     return out
+
+
+def _cached_attention(q, k_cache, v_cache, seq, pos, scale):
+    """[n, num_heads, head_dim] attention of each token over its sequence's cached rows 0..pos.
+
+    One fused ``scaled_dot_product_attention`` call with grouped-query heads and a [n, max_seq_len]
+    causal mask: about 10 dispatcher calls a layer instead of ~25 for gather/einsum/softmax, which
+    is what the host pays between piecewise graphs on a GPU."""
+    keys = k_cache[seq].transpose(1, 2)  # [n, num_kv_heads, max_seq_len, head_dim]
+    values = v_cache[seq].transpose(1, 2)
+    visible = torch.arange(k_cache.shape[1], device=q.device)[None, :] <= pos[:, None]  # [n, max_seq_len]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [n, num_heads, 1, head_dim]
+    return out.squeeze(2)
 
 
 def _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, num_tokens_device):
@@ -138,13 +142,7 @@ def _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, 
     pos = torch.where(real, positions, 0)
     k_cache[seq, pos] = k
     v_cache[seq, pos] = v
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
-    qg = q.float().reshape(t, num_kv_heads, group, head_dim)
-    scores = torch.einsum("nkgd,nskd->nkgs", qg, k_cache[seq].float()) * scale
-    future = torch.arange(k_cache.shape[1], device=q.device)[None, :] > pos[:, None]
-    probs = torch.softmax(scores.masked_fill(future[:, None, None, :], float("-inf")), dim=-1)
-    out = torch.einsum("nkgs,nskd->nkgd", probs, v_cache[seq].float()).reshape(t, -1, head_dim)
+    out = _cached_attention(q, k_cache, v_cache, seq, pos, scale)
     return torch.where(real[:, None, None], out, 0.0).to(q.dtype)
 
 
