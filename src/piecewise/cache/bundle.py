@@ -378,7 +378,7 @@ class WarmStart:
         if not entry.open(None):
             return f"no bundle under {entry.path}"
         lap = _Laps(self.phases)
-        backend.adaptor.prepare_load(entry.index["meta"].get("device", "cpu"))
+        backend.adaptor.prepare_load(entry.index["meta"].get("device", "cpu"), entry.root)
         lap("prepare")
         payload = entry.load_artifact(BUNDLE)
         if payload is None:

@@ -209,6 +209,8 @@ def clear(root: str, key: str | None = None) -> int:
                     os.rmdir(dirpath)  # only succeeds for directories emptied above
                 except OSError:
                     pass
+    if not key and os.path.isdir(os.path.join(root, "isa")):  # Inductor's recorded CPU ISA probe
+        remove_tree(os.path.join(root, "isa"))
     return n
 
 

@@ -77,9 +77,10 @@ class CompilerAdaptor(abc.ABC):
         self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget
     ) -> CompiledPiece: ...
 
-    def prepare_load(self, device: str) -> None:
+    def prepare_load(self, device: str, root: str | None = None) -> None:
         """Called once before a warm start loads artifacts for `device`: a chance to start
-        per-process setup in the background. Default: nothing."""
+        per-process setup in the background, or to reuse what an earlier process recorded under
+        the cache `root` (None: no cache). Default: nothing."""
 
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         """Rebuild a callable from `CompiledPiece.payload`. Adaptors that save nothing never
