@@ -78,3 +78,17 @@ def test_a_record_another_user_could_write_is_not_trusted(probed, tmp_path):
     shutil.copytree(root, other)
     os.chmod(other, 0o777)
     assert not _run(other, "use")["used"]
+
+
+def test_a_cold_start_with_inductor_records_the_probe_for_the_first_warm_start(tmp_path):
+    import torch
+
+    import piecewise as pw
+    from piecewise.models.toy import ToyTransformer
+
+    root = tmp_path / "c"
+    cm = pw.compile(ToyTransformer(1, dim=8), pw.CompilationConfig(backend="inductor", cache_dir=str(root)),
+                    dynamic_arg_dims={"x": 0})
+    cm(torch.randn(3, 8))
+    r = _run(root, "use")
+    assert r["used"] and r["probes"] == []

@@ -438,3 +438,4 @@ class WarmStart:
             meta = {"kind": "bundle", "compile_key": plan["cache_key"], "device": plan["device"]}
             self.entry.commit(meta, self.factors, backend.graph_code)
             counters.bump("bundles_saved", tag=self.tag)
+            backend.adaptor.record_for_load(self.entry.root)

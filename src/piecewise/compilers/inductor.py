@@ -128,6 +128,15 @@ class InductorAdaptor(CompilerAdaptor):
         for name in _RUNTIME_MODULES:
             importlib.import_module(name)
 
+    def record_for_load(self, root: str) -> None:
+        """Save the CPU ISA probe's answer if this process's compiles evaluated it (so the first
+        warm start already skips the probe)."""
+        from torch._inductor import cpu_vec_isa
+
+        fn = cpu_vec_isa.valid_vec_isa_list
+        if not getattr(fn, "recorded", False) and fn.cache_info().currsize:
+            _save_isa_record(root, fn())
+
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
 
