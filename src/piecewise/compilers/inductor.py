@@ -214,17 +214,16 @@ def _use_isa_record(root: str) -> bool:
 
 
 def _save_isa_record(root: str, isas: list[Any]) -> None:
-    """Write the probe's answer for `_use_isa_record` (atomic; any failure leaves no record)."""
+    """Write the probe's answer for `_use_isa_record` (the cache's atomic write and 0o755 dirs;
+    any failure leaves no record)."""
     import os
-    import tempfile
+
+    from ..cache.store import _makedirs, atomic_write
 
     try:
         path = _isa_record_path(root)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".isa-")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"valid_vec_isa": [str(i) for i in isas], "torch": torch.__version__}, f)
-        os.replace(tmp, path)
+        _makedirs(os.path.dirname(path))
+        atomic_write(path, json.dumps({"valid_vec_isa": [str(i) for i in isas], "torch": torch.__version__}).encode())
     except Exception:
         pass
 
