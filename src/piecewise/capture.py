@@ -156,11 +156,26 @@ _MODULE_VALUE_GUARDS = frozenset({"TYPE_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH"
 _PRIMITIVE_VALUES = (int, float, bool, str, bytes, type(None), complex, torch.dtype, torch.device)
 
 
-def _fingerprint_covers(path: str, root: torch.nn.Module) -> bool:
+def _exactly_described(value: Any, depth: int = 2) -> bool:
+    """Whether the fingerprint's description of an attribute value (two levels deep) pins it down
+    exactly: primitives, and containers of them within that depth."""
+    if isinstance(value, _PRIMITIVE_VALUES):
+        return True
+    if depth <= 0:
+        return False
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(_exactly_described(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _exactly_described(v, depth - 1) for k, v in value.items())
+    return False
+
+
+def _fingerprint_covers(path: str, root: torch.nn.Module, by_value: bool = False) -> bool:
     """Whether `module_fingerprint` records the value and type at guard path `path` of `root`
     (``L['self']`` followed by submodule steps, then: nothing; a module's ``_modules`` /
     ``_parameters`` / ``_buffers`` dict; one of its parameter or buffer slots; an instance
-    attribute; or a primitive field of an instance attribute that the fingerprint describes)."""
+    attribute, whose value counts only when `by_value` and the fingerprint describes it exactly;
+    or a primitive field of an instance attribute that the fingerprint describes)."""
     for prefix in ("L['self']", "self"):
         if path.startswith(prefix):
             rest = path[len(prefix):]
@@ -179,8 +194,8 @@ def _fingerprint_covers(path: str, root: torch.nn.Module) -> bool:
     if attr is None or attr.group(1) not in m.__dict__ or attr.group(1).startswith("_"):
         return False
     value = m.__dict__[attr.group(1)]
-    if attr.group(2) is None:
-        return isinstance(value, _PRIMITIVE_VALUES) or not isinstance(value, torch.nn.Module)
+    if attr.group(2) is None:  # its type and identity are recorded; its value when described exactly
+        return _exactly_described(value) if by_value else not isinstance(value, torch.nn.Module)
     # one field deeper: the fingerprint describes dataclasses, objects with to_dict and plain
     # objects' __dict__ two levels deep, so a primitive field is recorded by value
     field = attr.group(2)
@@ -210,7 +225,7 @@ def _fingerprinted(g: Any, root: torch.nn.Module) -> bool:
     if g.guard_type in ("EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT"):
         return name.startswith(("self", "L['self']"))
     if g.guard_type in _MODULE_VALUE_GUARDS:
-        return _fingerprint_covers(name, root)
+        return _fingerprint_covers(name, root, by_value=g.guard_type != "TYPE_MATCH")
     if g.guard_type == "DUPLICATE_INPUT":
         other = getattr(getattr(g.orig_guard, "create_fn", None), "keywords", {}).get("source_b")
         other_name = getattr(other, "name", None)

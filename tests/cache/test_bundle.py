@@ -472,3 +472,17 @@ def test_saved_guards_of_the_reference_decoder_do_not_reach_into_the_module(tmp_
     names = [g.name for g in state.output_graph._guards]
     assert names and not [n for n in names if n.startswith("L['self']")], names
     assert "self" not in state.output_graph.local_scope or not isinstance(state.output_graph.local_scope["self"], torch.nn.Module)
+
+
+def test_guards_left_to_the_fingerprint_are_only_those_it_records():
+    from piecewise.capture import _fingerprint_covers as covers
+
+    m = ToyTransformer(2, dim=8)
+    m.deep = {"a": {"b": {"c": 1}}}  # described two levels deep: "c" is beyond the fingerprint
+    m.flat = (1, 2.0, "x")
+    assert covers("L['self']._modules['blocks']._modules['1']", m)
+    assert covers("L['self']._modules['blocks']._modules['1']._parameters", m)
+    assert covers("L['self'].flat", m, by_value=True) and covers("L['self'].deep", m)
+    assert not covers("L['self'].deep", m, by_value=True)
+    assert not covers("L['self']._modules['blocks']._modules['7']", m)  # no such submodule
+    assert not covers("L['self'].forward", m) and not covers("L['x']", m)
