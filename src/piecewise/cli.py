@@ -112,22 +112,31 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="directory for JSON and Markdown results")
     b.set_defaults(func=_bench)
 
+    root_help = "cache root (default: PIECEWISE_CACHE_DIR or the user cache dir)"
     c = sub.add_parser("cache", help="inspect and maintain the compile cache")
-    c.add_argument("--root", help="cache root (default: PIECEWISE_CACHE_DIR or the user cache dir)")
+    c.add_argument("--root", help=root_help)
+    # `--root` is accepted after the subcommand name too (`cache ls --root R`). SUPPRESS keeps a
+    # subcommand that was not given --root from overwriting the value given before its name.
+    root_after = argparse.ArgumentParser(add_help=False)
+    root_after.add_argument("--root", default=argparse.SUPPRESS, help=root_help)
     cs = c.add_subparsers(dest="cache_command", required=True)
-    cs.add_parser("ls", help="list entries")
-    sh = cs.add_parser("show", help="one entry's artifacts and key factors")
+
+    def cache_cmd(name: str, help: str) -> argparse.ArgumentParser:
+        return cs.add_parser(name, help=help, parents=[root_after])
+
+    cache_cmd("ls", "list entries")
+    sh = cache_cmd("show", "one entry's artifacts and key factors")
     sh.add_argument("entry", help="key, key prefix, key/tag, key/rank_r_d/tag or a path")
-    cs.add_parser("verify", help="check every index and artifact checksum; exit 1 on a problem")
-    ex = cs.add_parser("explain", help="which key factor differs between two entries (or cache_key_factors.json files)")
+    cache_cmd("verify", "check every index and artifact checksum; exit 1 on a problem")
+    ex = cache_cmd("explain", "which key factor differs between two entries (or cache_key_factors.json files)")
     ex.add_argument("a")
     ex.add_argument("b")
-    cl = cs.add_parser("clear", help="remove entries (safe while another process compiles)")
+    cl = cache_cmd("clear", "remove entries (safe while another process compiles)")
     cl.add_argument("--key", help="only entries whose key starts with this")
-    xp = cs.add_parser("export", help="write entries to one .tar.gz with a manifest of their factors")
+    xp = cache_cmd("export", "write entries to one .tar.gz with a manifest of their factors")
     xp.add_argument("archive")
     xp.add_argument("--key", help="only entries whose key starts with this")
-    im = cs.add_parser("import", help="unpack an exported archive; warns about factors that differ here")
+    im = cache_cmd("import", "unpack an exported archive; warns about factors that differ here")
     im.add_argument("archive")
     c.set_defaults(func=_cache)
     return p

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import torch
+# torch is imported where a factor needs it, not here: `piecewise cache ...` reads entries without it.
 
 __all__ = ["ENV_ALLOWLIST", "env_factors", "file_hashes", "source_factors", "input_signature", "compute_key", "diff_factors", "KEY_FORMAT"]
 
@@ -82,6 +82,8 @@ def source_factors(filenames: Iterable[str]) -> dict[str, str]:
 
 
 def _describe(x: Any) -> Any:
+    import torch
+
     if isinstance(x, torch.Tensor):
         shape = ["*" if isinstance(s, torch.SymInt) else int(s) for s in x.shape]
         return {"dtype": str(x.dtype), "device": x.device.type, "shape": shape}
