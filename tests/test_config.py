@@ -64,3 +64,43 @@ def test_code_factors_normalise_split_op_spellings():
     b = CompilationConfig(splitting_ops=["other::op", "ns.op"]).code_factors()
     assert a == b
     assert "cache_dir" not in a and "tag" not in a
+
+
+def test_an_unknown_field_names_it_and_the_close_matches():
+    with pytest.raises(ConfigError) as e:
+        CompilationConfig(max_num_token=8)
+    assert "unknown field 'max_num_token'; did you mean 'max_num_tokens'?" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        CompilationConfig(backnd="eager", compile_size=[4])
+    msg = str(e.value)
+    assert "'backnd'; did you mean 'backend'?" in msg and "'compile_size'; did you mean 'compile_sizes'" in msg
+
+
+def test_an_unknown_field_without_a_close_match_lists_the_fields():
+    with pytest.raises(ConfigError) as e:
+        CompilationConfig(backend="eager", zzz_option=1)
+    msg = str(e.value)
+    assert "unknown field 'zzz_option'" in msg and "did you mean" not in msg
+    assert "max_num_tokens" in msg and "compile_ranges" in msg
+
+
+def test_unknown_fields_are_config_errors_on_every_path():
+    base = CompilationConfig(backend="eager")
+    with pytest.raises(ConfigError, match="did you mean 'compile_ranges'"):
+        base.replace(compile_range=[4])
+    with pytest.raises(ConfigError, match="did you mean 'max_num_tokens'"):
+        CompilationConfig.from_dict({"max_tokens": 3})
+    with pytest.raises(ConfigError, match="did you mean 'cudagraph_mode'"):
+        CompilationConfig.from_env({"PIECEWISE_CONFIG": '{"cudagraph_mod": "none"}'})
+    # still a ValueError (ConfigError's base), and valid keywords still work, positionally too
+    with pytest.raises(ValueError):
+        CompilationConfig(max_num_token=8)
+    assert CompilationConfig("full", "eager").mode == "full"
+    assert base.replace(max_num_tokens=8).max_num_tokens == 8
+
+
+def test_the_constructor_keeps_its_signature():
+    import inspect
+
+    params = inspect.signature(CompilationConfig).parameters
+    assert "max_num_tokens" in params and params["backend"].default == "inductor"

@@ -8,6 +8,8 @@ exists; every failure is a `ConfigError` naming the field and the remedy.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -212,10 +214,7 @@ class CompilationConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CompilationConfig":
         """Build from a mapping; unknown keys raise `ConfigError` naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown}; valid fields are {sorted(names)}")
+        _check_field_names(data)
         return cls(**dict(data))
 
     @classmethod
@@ -245,3 +244,32 @@ class CompilationConfig:
                     raise ConfigError(f"{key}={env[key]!r} is not a valid {field}") from None
         data.update(overrides)
         return cls.from_dict(data)
+
+
+def _check_field_names(names: Any) -> None:
+    """Raise `ConfigError` for names that are not `CompilationConfig` fields, with close matches."""
+    fields = [f.name for f in dataclasses.fields(CompilationConfig) if f.init]
+    unknown = sorted(str(n) for n in names if n not in fields)
+    if not unknown:
+        return
+    parts, guessed = [], True
+    for name in unknown:
+        close = difflib.get_close_matches(name, fields, n=3)
+        guessed &= bool(close)
+        parts.append(f"unknown field {name!r}" + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""))
+    listing = "" if guessed else f" (fields: {', '.join(fields)})"
+    raise ConfigError(f"CompilationConfig: {'; '.join(parts)}{listing}")
+
+
+def _wrap_init(init: Any) -> Any:
+    # The dataclass __init__ answers an unknown keyword with a bare TypeError; name it and its
+    # close matches instead (also reached through replace() and dataclasses.replace()).
+    @functools.wraps(init)
+    def __init__(self: CompilationConfig, *args: Any, **kwargs: Any) -> None:
+        _check_field_names(kwargs)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+CompilationConfig.__init__ = _wrap_init(CompilationConfig.__init__)  # type: ignore[method-assign]
