@@ -421,28 +421,43 @@ def _symbolic_entry_for(table: EntryTable, size: int) -> int:
 
 
 def explain_miss(root: str, tag: str, factors: dict[str, Any], path: str) -> None:
-    """Log which key factors differ from the newest existing entry of the same tag, if any."""
+    """Log which key factors differ from the closest existing compile entry of the same tag.
+
+    Closest: the fewest differing factors, ties to the newest. Warm-start bundles of the tag are
+    skipped: their factors are start-key factors (module fingerprint, call signature), not a
+    compile key's, so every structural factor would differ."""
     import glob
     import json
 
-    newest, best = None, -1.0
+    from .cache.store import INDEX, IndexError_, read_index
+
+    best: tuple[int, float, str, list[str]] | None = None  # (differences, -mtime, dir, names)
     for f in glob.glob(os.path.join(glob.escape(root), "*", "rank_*", glob.escape(tag), "cache_key_factors.json")):
-        try:
-            m = os.path.getmtime(f)
-        except OSError:
+        entry = os.path.dirname(f)
+        if entry == path or f.startswith(path + os.sep):
             continue
-        if m > best and not f.startswith(path + os.sep):
-            newest, best = f, m
-    if newest is None:
-        log.info("[%s] compile cache miss: no entry for this tag under %s", tag, root)
+        try:
+            mtime = os.path.getmtime(f)
+            with open(f) as fh:
+                old = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(old, dict) or old.get("kind") == "warm_start" or "bundle_format" in old:
+            continue
+        try:
+            if read_index(os.path.join(entry, INDEX))["meta"].get("kind") == "bundle":
+                continue
+        except (IndexError_, OSError, KeyError, TypeError, AttributeError):
+            pass  # an entry without a (valid) index yet is still a compile entry to compare with
+        names = diff_factors(old, factors)
+        cand = (len(names), -mtime, entry, names)
+        if best is None or cand[:2] < best[:2]:
+            best = cand
+    if best is None:
+        log.info("[%s] compile cache miss: no compile entry for this tag under %s", tag, root)
         return
-    try:
-        with open(newest) as fh:
-            old = json.load(fh)
-    except (OSError, ValueError):
-        return
-    log.info("[%s] compile cache miss: differs from %s in %s", tag, os.path.dirname(newest),
-             ", ".join(diff_factors(old, factors)) or "nothing recorded (a format change)")
+    log.info("[%s] compile cache miss: differs from %s in %s", tag, best[2],
+             ", ".join(best[3]) or "nothing recorded (a format change)")
 
 
 def render_split_graph(split: SplitResult) -> str:

@@ -87,3 +87,111 @@ def test_inductor_config_is_a_factor(tmp_path):
     warm = run_worker(root, "--backend", "inductor")
     assert _hit(warm) and warm["counters"]["cache_loads"] == 3
     assert _miss(run_worker(root, "--backend", "inductor", "--inductor-option", "fallback_random=True"))
+
+
+# -- the miss log line: which factors differ from the closest compile entry of the tag ---------------
+def _entry(root, key, tag, factors, mtime):
+    import json
+
+    d = os.path.join(root, key, "rank_0_0", tag)
+    os.makedirs(d)
+    f = os.path.join(d, "cache_key_factors.json")
+    with open(f, "w") as fh:
+        json.dump(factors, fh)
+    os.utime(f, (mtime, mtime))
+    return d
+
+
+def _miss_line(caplog, root, tag, factors, path="/nonexistent"):
+    import logging
+
+    from piecewise.backend import explain_miss
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="piecewise"):
+        explain_miss(root, tag, factors, path)
+    (line,) = [r.getMessage() for r in caplog.records if "compile cache miss" in r.getMessage()]
+    return line
+
+
+BASE = {"torch": "2.x", "config": {"max_num_tokens": 16, "mode": "piecewise", "backend": "eager"},
+        "graph": "g1", "inputs": {"call": []}, "sources": {"toy.py": "aa"}}
+
+
+def _with(**changes):
+    import copy
+
+    out = copy.deepcopy(BASE)
+    for dotted, v in changes.items():
+        cur = out
+        *head, last = dotted.split("__")
+        for part in head:
+            cur = cur[part]
+        cur[last] = v
+    return out
+
+
+def test_miss_names_only_the_factor_that_differs_from_the_compile_entry_not_the_newer_bundle(tmp_path, caplog):
+    root = str(tmp_path)
+    compiled = _entry(root, "a" * 20, "M", BASE, 1000)
+    # the tag's warm-start bundle is written after the compile entry: newest, and start-key factors
+    _entry(root, "b" * 20, "M", {"kind": "warm_start", "bundle_format": 1, "module": {}, "call": []}, 2000)
+    line = _miss_line(caplog, root, "M", _with(config__max_num_tokens=32))
+    assert line.endswith(" in config.max_num_tokens") and compiled in line
+
+
+def test_miss_picks_the_closest_compile_entry_then_the_newest(tmp_path, caplog):
+    root = str(tmp_path)
+    close = _entry(root, "c" * 20, "M", _with(graph="g2"), 1000)  # 2 factors away from `now`
+    _entry(root, "d" * 20, "M", _with(graph="g3", torch="1.x", sources__toy_py="bb"), 3000)  # newer, 3+ away
+    now = _with(graph="g1", config__max_num_tokens=32)
+    line = _miss_line(caplog, root, "M", now)
+    assert close in line and line.endswith(" in config.max_num_tokens, graph")
+    # a tie (one factor each): the newest wins
+    older = _entry(root, "e" * 20, "M", _with(config__max_num_tokens=32, graph="x"), 4000)
+    newer = _entry(root, "f" * 20, "M", _with(config__max_num_tokens=32, torch="9"), 5000)
+    line = _miss_line(caplog, root, "M", now)
+    assert newer in line and older not in line and line.endswith(" in torch")
+
+
+def test_miss_ignores_other_tags_its_own_entry_and_unreadable_files(tmp_path, caplog):
+    root = str(tmp_path)
+    _entry(root, "1" * 20, "Other", _with(config__max_num_tokens=32), 5000)  # identical factors, other tag
+    own = _entry(root, "2" * 20, "M", _with(config__max_num_tokens=32), 6000)  # the entry being written
+    bad = _entry(root, "3" * 20, "M", BASE, 7000)
+    with open(os.path.join(bad, "cache_key_factors.json"), "w") as fh:
+        fh.write("{not json")
+    _entry(root, "4" * 20, "M", {"kind": "warm_start", "bundle_format": 1}, 8000)
+    line = _miss_line(caplog, root, "M", _with(config__max_num_tokens=32), path=own)
+    assert "no compile entry for this tag" in line
+    good = _entry(root, "5" * 20, "M", BASE, 1000)
+    line = _miss_line(caplog, root, "M", _with(config__max_num_tokens=32), path=own)
+    assert good in line and line.endswith(" in config.max_num_tokens")
+
+
+def test_a_restart_with_one_changed_field_logs_only_that_field(tmp_path, caplog):
+    """End to end in one process: the real entries (compile entry and warm-start bundle) of a tag."""
+    import gc
+    import logging
+
+    import torch
+
+    import piecewise as pw
+    from piecewise.cache import tools
+    from piecewise.models.toy import TwoSplitModel
+
+    root = str(tmp_path / "r")
+    x = torch.randn(3, 8)
+    for n in (16, 32):
+        torch._dynamo.reset()
+        cfg = pw.CompilationConfig(backend="eager", max_num_tokens=n, cache_dir=root, tag="restart")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="piecewise"):
+            cm = pw.compile(TwoSplitModel(), cfg, dynamic_arg_dims={"x": 0})
+            cm(x)
+        del cm
+        gc.collect()  # releases the tag, as a process exit does
+    kinds = sorted(e.kind for e in tools.list_entries(root))
+    assert kinds == ["bundle", "bundle", "compile", "compile"], kinds
+    (line,) = [r.getMessage() for r in caplog.records if "compile cache miss" in r.getMessage()]
+    assert line.endswith(" in config.max_num_tokens"), line
