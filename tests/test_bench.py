@@ -37,11 +37,61 @@ def test_worker_measures_and_counts_no_recompiles():
     assert res["padding"]["planned"]["pad_rows"] <= res["padding"]["default"]["pad_rows"]
     res["summary"] = summarize(res, BenchConfig(layers=(1,), batches=(1, 4)))
     d = res["summary"]["dispatch"][1]
-    assert abs(d["us_per_piece"] - (pw["latency"]["4"]["median_us"] - eager["latency"]["4"]["median_us"]) / 3) < 1e-6
+    assert abs(d["us_per_piece"]["value"] - (pw["latency"]["4"]["median_us"] - eager["latency"]["4"]["median_us"]) / 3) < 1e-6
     md = to_markdown(res)
     assert "| 4 |" in md and "Dispatch overhead per piece" in md and "| planned |" in md and "traced" in md
-    runs = [{"compile_s": c} for c in (3.0, 1.0, 2.0)]
+    runs = [{"compile_s": c, "first_output_s": c + 1} for c in (3.0, 1.0, 2.0)]
     assert _median_run(runs)["compile_s"] == 2.0 and _median_run(runs)["compile_s_runs"] == [3.0, 1.0, 2.0]
+    assert _median_run(runs)["first_output_s_runs"] == [4.0, 2.0, 3.0]
+    # the compile phase is measured directly (not first call minus eager first call, never clamped)
+    assert pw["compile_method"].startswith("timings") and 0 < pw["compile_s"] <= pw["first_output_s"]
+    assert eager["compile_s"] == 0.0
+
+
+def test_spread_marks_a_figure_noisy_when_its_spread_exceeds_its_value():
+    from piecewise.bench.suite import fmt_spread, paired_ratio, ratio, spread
+
+    steady = spread([1.5, 1.4, 1.6])
+    assert steady["value"] == 1.5 and steady["min"] == 1.4 and steady["max"] == 1.6 and not steady["noisy"]
+    assert fmt_spread(steady) == "1.50 (1.40–1.60)"
+    noisy = spread([0.05, 0.25, 0.0])  # the warm start: a near-zero compile phase, +-0.2 s of noise
+    assert noisy["noisy"] and fmt_spread(noisy) == "0.05 (0.00–0.25, noisy)"
+    assert fmt_spread(spread([3.68])) == "3.68"  # one process: no spread to show
+    assert fmt_spread(spread([-0.1, 0.1, 0.0]), 1) == "0.0 (-0.1–0.1, noisy)"  # negative values are shown, not clamped
+    # ratios are per round (round i ran both systems back to back), then the median of those
+    r = paired_ratio([1.0, 3.0, 2.0], [2.0, 2.0, 4.0])
+    assert r["runs"] == [0.5, 1.5, 0.5] and r["value"] == 0.5 and r["noisy"] and fmt_spread(r) == "0.50 (0.50–1.50, noisy)"
+    assert ratio(1.0, 0.0) != ratio(1.0, 0.0)  # NaN for a zero baseline, not a clamped denominator
+
+
+def test_startup_table_shows_spreads_and_first_output_ratio_beside_compile_ratio():
+    from piecewise.bench.suite import TARGETS
+
+    def run(first, comp, rss=400.0):
+        return {"first_output_s": first[0], "compile_s": comp[0], "first_output_s_runs": first, "compile_s_runs": comp,
+                "peak_rss_mb": rss, "compile_method": "m"}
+
+    lat = {"1": {"median_us": 100.0, "p10_us": 90.0, "p90_us": 110.0, "median_runs_us": [100.0, 120.0]}}
+    res = {"machine": {"platform": "p", "cpus": 2, "processor": "x", "torch": "t", "threads": 2, "date": "d"},
+           "config": {"steady_layers": 2, "steps": 5, "sizes": 4, "warm_repeats": 3, "cold_repeats": 1, "steady_repeats": 2},
+           "targets": TARGETS,
+           "startup": {"full/2": {"cold": run([20.6], [20.5]), "warm": run([3.0, 3.2, 3.1], [2.9, 3.1, 3.0])},
+                       "piecewise-inductor/2": {"cold": run([10.3], [10.0]), "warm": run([1.5, 1.6, 1.55], [0.05, 0.25, 0.0]),
+                                                "warm_traced": run([4.0, 4.1, 4.2], [3.0, 3.1, 3.2])}},
+           "steady": {s: {"latency": lat, "recompiles": 0} for s in ("eager", "full", "piecewise-inductor", "piecewise-eager")}}
+    res["summary"] = summarize(res, BenchConfig(layers=(2,), batches=(1,)))
+    row = res["summary"]["startup"][0]
+    assert row["warm_compile_pw_s"]["noisy"] and not row["warm_full_s"]["noisy"]
+    assert row["cold_ratio"]["runs"] == [0.5]
+    md = to_markdown(res)
+    line = next(ln for ln in md.splitlines() if ln.startswith("| 2 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1:4] == ["20.60", "10.30", "0.50"]  # one cold process: its value, no spread
+    assert cells[4] == "3.10 (3.00–3.20)" and cells[5] == "1.55 (1.50–1.60)"
+    assert cells[6] == "0.50 (0.50–0.50)"  # first-output ratio beside the compile ratio
+    assert cells[8] == "0.05 (0.00–0.25, noisy)" and cells[9].endswith("noisy)")
+    assert "one process per system from empty caches (no spread)" in md and "measured directly" in md
+    assert "1.00 (1.00–1.00)" in md  # steady ratios per round, with their spread
 
 
 def test_steady_state_of_several_processes_is_the_median_process_per_batch():

@@ -8,7 +8,10 @@ Phases, each measurement in its own process:
   median/p10/p90 step latency per batch size, and recompiles across distinct sizes.
 
 Figures are ratios to a baseline from the same run: cold/warm compile against `full`, step latency
-against `full` (and `eager`), dispatch overhead as (piecewise-eager - eager) / pieces.
+against `full` (and `eager`), dispatch overhead as (piecewise-eager - eager) / pieces. Repeated
+processes run in interleaved rounds (one process per system each round); every figure is the median
+over the processes with its spread (min-max), a ratio the median of the per-round ratios, and a
+figure whose spread exceeds its value is marked noisy (`spread`, `fmt_spread`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import platform
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +45,7 @@ class BenchConfig:
     batches: tuple[int, ...] = (1, 8, 64)
     steps: int = 200
     warm_repeats: int = 3  # warm-start processes per system and layer count; the median is reported
+    cold_repeats: int = 1  # cold-start processes per system and layer count (each from empty caches)
     steady_repeats: int = 3  # interleaved steady-state processes per system; the median is reported
     sizes: int = 64
     out_dir: str | None = None  # where JSON/Markdown results go (None: print only)
@@ -57,9 +62,43 @@ def _worker(args: list[str], env: dict[str, str]) -> dict[str, Any]:
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run with the median compile phase (warm starts vary by +-20% on a small machine); all
-    runs' compile phases are kept under ``compile_s_runs``."""
+    runs' compile phases and first outputs, in run order, are kept under ``compile_s_runs`` and
+    ``first_output_s_runs``."""
     ordered = sorted(runs, key=lambda r: r["compile_s"])
-    return {**ordered[len(ordered) // 2], "compile_s_runs": [r["compile_s"] for r in runs]}
+    return {**ordered[len(ordered) // 2], "compile_s_runs": [r["compile_s"] for r in runs],
+            "first_output_s_runs": [r["first_output_s"] for r in runs]}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """One figure over repeated processes: ``value`` (the median), ``min``, ``max``, every run
+    (``runs``) and ``noisy``: its spread (max - min) exceeds its value, so the value alone says little."""
+    vals = [float(v) for v in values]
+    if not vals:
+        nan = float("nan")
+        return {"value": nan, "min": nan, "max": nan, "runs": [], "noisy": False}
+    value, lo, hi = statistics.median(vals), min(vals), max(vals)
+    return {"value": value, "min": lo, "max": hi, "runs": vals, "noisy": hi - lo > abs(value)}
+
+
+def ratio(num: float, den: float) -> float:
+    """``num / den``; NaN (shown as such) when the baseline is zero - never a clamped denominator."""
+    return num / den if den else float("nan")
+
+
+def paired_ratio(nums: list[float], dens: list[float]) -> dict[str, Any]:
+    """`spread` of the per-round ratios ``nums[i] / dens[i]`` (round i ran both systems back to back)."""
+    return spread([ratio(n, d) for n, d in zip(nums, dens)])
+
+
+def fmt_spread(fig: dict[str, Any], digits: int = 2) -> str:
+    """``value (min–max)``, or ``value (min–max, noisy)`` when the spread exceeds the value; a
+    single run is just its value."""
+    f = lambda x: f"{x:.{digits}f}"  # noqa: E731
+    text = f(fig["value"])
+    notes = [f"{f(fig['min'])}–{f(fig['max'])}"] if len(fig["runs"]) > 1 else []
+    if fig["noisy"]:
+        notes.append("noisy")
+    return f"{text} ({', '.join(notes)})" if notes else text
 
 
 def _median_latency(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -77,10 +116,6 @@ def _median_latency(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _fmt(x: float, digits: int = 2) -> str:
-    return f"{x:.{digits}f}"
-
-
 def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     """Run the suite; returns the results (also written under `cfg.out_dir` when set)."""
     import torch
@@ -92,21 +127,35 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
         "config": dataclasses.asdict(cfg), "targets": TARGETS, "startup": {}, "steady": {},
     }
     with tempfile.TemporaryDirectory(prefix="piecewise-bench-") as tmp:
+        startup = ("full", "piecewise-inductor")
         for layers in cfg.layers:
-            for system in ("full", "piecewise-inductor"):
-                env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, f"ind-{system}-{layers}"),
-                       "PIECEWISE_CACHE_DIR": os.path.join(tmp, f"pw-{system}-{layers}")}
-                args = ["--system", system, "--layers", str(layers)]
-                cold = _worker(args, env)
-                warm = _median_run([_worker(args, env) for _ in range(cfg.warm_repeats)])
+            args = {system: ["--system", system, "--layers", str(layers)] for system in startup}
+
+            def env(system: str, suffix: str = "") -> dict[str, str]:
+                return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, f"ind-{system}-{layers}{suffix}"),
+                        "PIECEWISE_CACHE_DIR": os.path.join(tmp, f"pw-{system}-{layers}{suffix}")}
+
+            runs: dict[str, list[dict[str, Any]]] = {"full": [], "piecewise-inductor": [], "traced": []}
+            colds: dict[str, list[dict[str, Any]]] = {system: [] for system in startup}
+            for r in range(max(1, cfg.cold_repeats)):  # round r: every system from empty caches (round 0's stay for warm)
+                for system in startup:
+                    colds[system].append(_worker(args[system], env(system, f"-cold{r}" if r else "")))
+            for _ in range(cfg.warm_repeats):  # interleaved rounds: a slow spell of the machine hits every system
+                runs["full"].append(_worker(args["full"], env("full")))
+                runs["piecewise-inductor"].append(_worker(args["piecewise-inductor"], env("piecewise-inductor")))
+                # the same warm start with the trace (before warm-start bundles); writes nothing to the cache
+                runs["traced"].append(_worker(args["piecewise-inductor"],
+                                              {**env("piecewise-inductor"), "PIECEWISE_DISABLE_BUNDLE": "1"}))
+            for system in startup:
+                cold, warm = _median_run(colds[system]), _median_run(runs[system])
                 res["startup"][f"{system}/{layers}"] = {"cold": cold, "warm": warm}
                 log(f"  {system:20s} {layers:3d} layers: cold first output {cold['first_output_s']:.2f}s, "
-                    f"warm {warm['first_output_s']:.2f}s (compile phase {warm['compile_s']:.2f}s)")
-                if system.startswith("piecewise"):  # the same warm start with the trace (before warm-start bundles)
-                    traced_env = {**env, "PIECEWISE_DISABLE_BUNDLE": "1"}
-                    traced = _median_run([_worker(args, traced_env) for _ in range(cfg.warm_repeats)])
-                    res["startup"][f"{system}/{layers}"]["warm_traced"] = traced
-                    log(f"  {system:20s} {layers:3d} layers: warm with a trace (no bundle): compile phase {traced['compile_s']:.2f}s")
+                    f"warm {warm['first_output_s']:.2f}s (compile phase {warm['compile_s']:.2f}s, runs "
+                    + ", ".join(f"{c:.2f}" for c in warm["compile_s_runs"]) + ")")
+            traced = _median_run(runs["traced"])
+            res["startup"][f"piecewise-inductor/{layers}"]["warm_traced"] = traced
+            log(f"  {'piecewise-inductor':20s} {layers:3d} layers: warm with a trace (no bundle): compile phase "
+                f"{traced['compile_s']:.2f}s")
         L = cfg.steady_layers
         systems = ("eager", "full", "piecewise-inductor", "piecewise-eager")
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
@@ -173,58 +222,78 @@ def padding_waste_report(max_size: int = 512) -> dict[str, Any]:
 
 def summarize(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
     s: dict[str, Any] = {"startup": [], "steady": [], "dispatch": [], "recompiles": {}}
+    def runs(run: dict[str, Any], key: str) -> list[float]:  # every process's figure, in round order
+        return run.get(f"{key}_runs") or [run[key]]
+
     for layers in cfg.layers:
         full, pw = res["startup"][f"full/{layers}"], res["startup"][f"piecewise-inductor/{layers}"]
+        fc, pc = runs(full["cold"], "first_output_s"), runs(pw["cold"], "first_output_s")
+        fw, pwf = runs(full["warm"], "first_output_s"), runs(pw["warm"], "first_output_s")
+        fwc, pwc = runs(full["warm"], "compile_s"), runs(pw["warm"], "compile_s")
+        ptc = runs(pw["warm_traced"], "compile_s")
         s["startup"].append({
             "layers": layers,
-            "cold_full_s": full["cold"]["first_output_s"], "cold_pw_s": pw["cold"]["first_output_s"],
-            "cold_ratio": pw["cold"]["first_output_s"] / full["cold"]["first_output_s"],
-            "warm_full_s": full["warm"]["first_output_s"], "warm_pw_s": pw["warm"]["first_output_s"],
-            "warm_compile_full_s": full["warm"]["compile_s"], "warm_compile_pw_s": pw["warm"]["compile_s"],
-            "warm_compile_ratio": pw["warm"]["compile_s"] / max(full["warm"]["compile_s"], 1e-9),
-            "warm_compile_pw_traced_s": pw["warm_traced"]["compile_s"],
-            "warm_compile_traced_ratio": pw["warm_traced"]["compile_s"] / max(full["warm"]["compile_s"], 1e-9),
+            "cold_full_s": spread(fc), "cold_pw_s": spread(pc), "cold_ratio": paired_ratio(pc, fc),
+            "warm_full_s": spread(fw), "warm_pw_s": spread(pwf), "warm_first_ratio": paired_ratio(pwf, fw),
+            "warm_compile_full_s": spread(fwc), "warm_compile_pw_s": spread(pwc),
+            "warm_compile_ratio": paired_ratio(pwc, fwc),
+            "warm_compile_pw_traced_s": spread(ptc), "warm_compile_traced_ratio": paired_ratio(ptc, fwc),
+            "compile_method_full": full["warm"].get("compile_method", "first call - eager first call (older worker)"),
+            "compile_method_pw": pw["warm"].get("compile_method", "first call - eager first call (older worker)"),
             "rss_full_mb": full["cold"]["peak_rss_mb"], "rss_pw_mb": pw["cold"]["peak_rss_mb"],
         })
     st = res["steady"]
     pieces = st["piecewise-eager"].get("pieces", 1) or 1
     for b in map(str, cfg.batches):
-        row = {"batch": int(b)}
+        row: dict[str, Any] = {"batch": int(b)}
         for sysname in ("eager", "full", "piecewise-inductor", "piecewise-eager"):
             row[sysname] = st[sysname]["latency"][b]
-        row["pw_vs_full"] = row["piecewise-inductor"]["median_us"] / row["full"]["median_us"]
-        row["pw_vs_eager"] = row["piecewise-inductor"]["median_us"] / row["eager"]["median_us"]
+        med = {k: row[k].get("median_runs_us") or [row[k]["median_us"]] for k in ("eager", "full", "piecewise-inductor", "piecewise-eager")}
+        row["pw_vs_full"] = paired_ratio(med["piecewise-inductor"], med["full"])
+        row["pw_vs_eager"] = paired_ratio(med["piecewise-inductor"], med["eager"])
         s["steady"].append(row)
         s["dispatch"].append({"batch": int(b), "pieces": pieces,
-                              "us_per_piece": (row["piecewise-eager"]["median_us"] - row["eager"]["median_us"]) / pieces})
+                              "us_per_piece": spread([(p - e) / pieces for p, e in zip(med["piecewise-eager"], med["eager"])])})
     s["recompiles"] = {k: v.get("recompiles") for k, v in st.items()}
     return s
 
 
 def to_markdown(res: dict[str, Any]) -> str:
     s, m, t = res["summary"], res["machine"], res["targets"]
+    cfg = res["config"]
+    cold_n, warm_n = cfg.get("cold_repeats", 1), cfg.get("warm_repeats", 1)
+    cold_text = (f"{cold_n} rounds of one process per system from empty caches" if cold_n > 1
+                 else "one process per system from empty caches (no spread)")
+    method = ""
+    if s["startup"]:
+        r0 = s["startup"][0]
+        method = f" (full graph: {r0['compile_method_full']}; piecewise: {r0['compile_method_pw']})"
     out = [f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}, "
            f"{m['threads']} threads; {m['date']}.", "",
-           "Reference Llama decoder (hidden 128, GQA 4/2 heads). Time to first output in a new process; "
-           "compile phase = first call minus the eager first call of the same process. Warm figures are the median "
-           f"of {res['config'].get('warm_repeats', 1)} processes. Piecewise warm starts from its bundle (no trace); "
-           "'traced' is the same warm start with PIECEWISE_DISABLE_BUNDLE=1 (Dynamo trace, cached pieces).", "",
+           "Reference Llama decoder (hidden 128, GQA 4/2 heads). First output: wall time of the first call in a new "
+           "process (construction excluded). Compile phase: the time spent inside tracing, loading and compiling, "
+           "measured directly, not as a difference of wall times" + method + "; the first call's execution, "
+           "Inductor's imports for running generated code and saving the bundle are outside it, which is why the "
+           f"first-output ratio stands beside it. Cold: {cold_text}; warm: {warm_n} interleaved rounds (full, "
+           "piecewise, piecewise traced) on the filled caches. Each figure is the median over the processes "
+           "(min–max); a ratio is the median of the per-round ratios (min–max over rounds); 'noisy' marks a figure "
+           "whose spread exceeds its value. Piecewise warm starts from its bundle (no trace); 'traced' is the same "
+           "warm start with PIECEWISE_DISABLE_BUNDLE=1 (Dynamo trace, cached pieces).", "",
            "| layers | full cold s | piecewise cold s | ratio (target <= "
-           f"{t['cold_compile_vs_full_at_max_layers']} at max) | full warm s | piecewise warm s | full warm compile s | "
-           f"piecewise warm compile s | ratio (target <= {t['warm_compile_vs_full_warm']}) | piecewise traced warm "
+           f"{t['cold_compile_vs_full_at_max_layers']} at max) | full warm first output s | piecewise warm first output s "
+           "| first-output ratio | full warm compile s | "
+           f"piecewise warm compile s | compile ratio (target <= {t['warm_compile_vs_full_warm']}) | piecewise traced warm "
            "compile s | ratio | peak RSS full / piecewise MB |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in s["startup"]:
-        out.append(f"| {r['layers']} | {_fmt(r['cold_full_s'])} | {_fmt(r['cold_pw_s'])} | {_fmt(r['cold_ratio'])} | "
-                   f"{_fmt(r['warm_full_s'])} | {_fmt(r['warm_pw_s'])} | {_fmt(r['warm_compile_full_s'])} | "
-                   f"{_fmt(r['warm_compile_pw_s'])} | {_fmt(r['warm_compile_ratio'])} | "
-                   f"{_fmt(r['warm_compile_pw_traced_s'])} | {_fmt(r['warm_compile_traced_ratio'])} | "
-                   f"{r['rss_full_mb']:.0f} / {r['rss_pw_mb']:.0f} |")
-    cfg = res["config"]
+        out.append("| " + " | ".join([str(r["layers"])] + [fmt_spread(r[k]) for k in (
+            "cold_full_s", "cold_pw_s", "cold_ratio", "warm_full_s", "warm_pw_s", "warm_first_ratio",
+            "warm_compile_full_s", "warm_compile_pw_s", "warm_compile_ratio", "warm_compile_pw_traced_s",
+            "warm_compile_traced_ratio")] + [f"{r['rss_full_mb']:.0f} / {r['rss_pw_mb']:.0f}"]) + " |")
     reps = cfg.get("steady_repeats", 1)
     out += ["", f"Steady-state step latency, {cfg['steady_layers']} layers, median (p10-p90) microseconds over "
             f"{cfg['steps']} steps with fresh inputs; {reps} interleaved processes per system, the process with the "
-            "median step shown:", "",
+            "median step shown; ratios are the median of the per-round ratios (min–max over rounds):", "",
             "| batch | eager | full graph | piecewise-inductor | piecewise-eager | piecewise / full (target <= "
             f"{t['steady_vs_full']}) | piecewise / eager |", "|---:|---:|---:|---:|---:|---:|---:|"]
 
@@ -233,7 +302,7 @@ def to_markdown(res: dict[str, Any]) -> str:
 
     for r in s["steady"]:
         out.append(f"| {r['batch']} | {cell(r['eager'])} | {cell(r['full'])} | {cell(r['piecewise-inductor'])} | "
-                   f"{cell(r['piecewise-eager'])} | {_fmt(r['pw_vs_full'])} | {_fmt(r['pw_vs_eager'])} |")
+                   f"{cell(r['piecewise-eager'])} | {fmt_spread(r['pw_vs_full'])} | {fmt_spread(r['pw_vs_eager'])} |")
     rounds = []
     for r in s["steady"]:
         pw_runs, full_runs = r["piecewise-inductor"].get("median_runs_us"), r["full"].get("median_runs_us")
@@ -244,12 +313,12 @@ def to_markdown(res: dict[str, Any]) -> str:
     d = res.get("dispatch")
     if d:
         out += ["", f"Dispatch overhead per piece (target <= {t['dispatch_us_per_piece']} us): a piece's runner against "
-                f"its compiled callable called directly, same arguments, interleaved: **{d['us_per_piece']:.2f} us per "
+                f"its compiled callable called directly, same arguments, interleaved, one process: **{d['us_per_piece']:.2f} us per "
                 f"piece**. Whole toy model of width 4 at 1 token ({d['layers']} layers = {d['pieces']} pieces, compute "
                 f"negligible): eager {d['eager_us']:.0f} us, piecewise-eager {d['piecewise_eager_us']:.0f} us per call "
                 f"({d['model_delta_us_per_piece']:+.1f} us per piece: generated code skips nn.Module calls)."]
     out += ["", "Same difference on the decoder above ((piecewise-eager - eager) / pieces; noisy, compute-dominated): "
-            + ", ".join(f"batch {d['batch']}: {d['us_per_piece']:.1f} us ({d['pieces']} pieces)" for d in s["dispatch"]),
+            + ", ".join(f"batch {d['batch']}: {fmt_spread(d['us_per_piece'], 1)} us ({d['pieces']} pieces)" for d in s["dispatch"]),
             "", f"Recompiles across {cfg['sizes']} distinct sizes (target {t['recompiles']}): "
             + ", ".join(f"{k} {v}" for k, v in s["recompiles"].items()),
             ""]
