@@ -130,3 +130,99 @@ def test_show_by_tag_and_clear_leaves_no_empty_dirs(tmp_path, capsys):
     assert code == 0 and "TwoSplitModel" in out
     _cli(capsys, "cache", "--root", root, "clear")
     assert os.listdir(root) == []
+
+
+# -- explain: a traced source file shows its hash prefix and path --------------------------------------
+MODEL = '''
+import torch
+import piecewise.models.toy  # noqa: F401
+
+class Model(torch.nn.Module):
+    dim = 8
+
+    def forward(self, x):
+        y = torch.ops.piecewise_models.toy_attention(x.sin(), x, x)  # {comment}
+        return torch.ops.piecewise_models.toy_attention(y * 2, y, y)
+'''
+
+
+def test_explain_shows_an_edited_source_files_hashes_and_path(tmp_path, capsys):
+    import hashlib
+
+    root = str(tmp_path / "r")
+    src = tmp_path / "user_model.py"
+    digests = []
+    for comment in ("v1", "v2"):
+        src.write_text(MODEL.format(comment=comment))
+        digests.append(hashlib.sha256(src.read_bytes()).hexdigest())
+        run_worker(root, "--source", str(src))
+    a, b = sorted((e for e in tools.list_entries(root) if e.kind == "compile"), key=lambda e: e.created)
+    code, out = _cli(capsys, "cache", "--root", root, "explain", a.rel, b.rel)
+    assert code == 0
+    (line,) = [ln.strip() for ln in out.splitlines() if "user_model.py" in ln]
+    assert line == f"sources.user_model.py: sha256 {digests[0][:12]} ({src}) -> sha256 {digests[1][:12]} ({src})", out
+    assert "<absent>" not in out
+
+
+def _write_factors(path, factors):
+    with open(path, "w") as f:
+        json.dump(factors, f)
+    return str(path)
+
+
+def test_explain_a_source_file_present_on_one_side_only(tmp_path, capsys):
+    from piecewise.cache.key import NOT_IN_KEY
+
+    common = {"torch": "2", "sources": {"toy.py": "a" * 64, NOT_IN_KEY: {"toy.py": "/ckpt/a/toy.py"}}}
+    second = {"torch": "2", "sources": {"toy.py": "a" * 64, "hf.py": "b" * 64,
+                                        NOT_IN_KEY: {"toy.py": "/ckpt/b/toy.py", "hf.py": "/ckpt/b/models/hf.py"}}}
+    fa, fb = _write_factors(tmp_path / "a.json", common), _write_factors(tmp_path / "b.json", second)
+    _, _, lines = tools.explain(str(tmp_path), fa, fb)
+    # toy.py moved but kept its content: not a difference; hf.py is named with its hash and path
+    assert lines == [f"sources.hf.py (only in second): sha256 {'b' * 12} (/ckpt/b/models/hf.py)"]
+    _, _, lines = tools.explain(str(tmp_path), fb, fa)
+    assert lines == [f"sources.hf.py (only in first): sha256 {'b' * 12} (/ckpt/b/models/hf.py)"]
+    # factor files written before paths were recorded still explain, without the path
+    old = {"torch": "3", "sources": {"toy.py": "c" * 64}}
+    _, _, lines = tools.explain(str(tmp_path), fa, _write_factors(tmp_path / "old.json", old))
+    assert lines == [f"sources.toy.py: sha256 {'a' * 12} (/ckpt/a/toy.py) -> sha256 {'c' * 12} (path not recorded)",
+                     'torch: "2" -> "3"']
+    # a dotted factor name no longer breaks the value lookup, and a whole-factor absence shows the value
+    _, _, lines = tools.explain(str(tmp_path), _write_factors(tmp_path / "e.json", {"env": {"A.B": "1"}}),
+                                _write_factors(tmp_path / "f.json", {"env": {"A.B": "2"}, "graph": "g"}))
+    assert lines == ['env.A.B: "1" -> "2"', 'graph (only in second): "g"']
+
+
+def test_source_paths_are_recorded_but_not_in_the_key():
+    from piecewise.cache.key import NOT_IN_KEY, compute_key, diff_factors, source_factors
+
+    here = os.path.abspath(__file__)
+    s = source_factors([here, "<string>"])
+    assert list(s) == [os.path.basename(here), NOT_IN_KEY] and s[NOT_IN_KEY] == {os.path.basename(here): here}
+    moved = {**s, NOT_IN_KEY: {os.path.basename(here): "/elsewhere/" + os.path.basename(here)}}
+    assert compute_key({"sources": s}) == compute_key({"sources": moved}) == compute_key({"sources": {k: v for k, v in s.items() if k != NOT_IN_KEY}})
+    assert diff_factors({"sources": s}, {"sources": moved}) == []
+    assert diff_factors({"sources": s}, {"sources": {}}) == [f"sources.{os.path.basename(here)} (only in first)"]
+
+
+def test_cache_tools_that_read_entries_do_not_import_torch(tmp_path):
+    root = str(tmp_path / "r")
+    run_worker(root)
+    compiled = next(e for e in tools.list_entries(root) if e.kind == "compile")
+    bundle = next(e for e in tools.list_entries(root) if e.kind == "bundle")
+    probe = ("import json, sys, contextlib, io\nfrom piecewise.cli import main\nbuf = io.StringIO()\n"
+             "with contextlib.redirect_stdout(buf):\n    rc = main(sys.argv[1:])\n"
+             "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules, 'out': buf.getvalue()}))\n")
+    archive = str(tmp_path / "x.tgz")
+    for argv in (["ls"], ["show", compiled.key[:8]], ["verify"], ["explain", compiled.rel, bundle.rel],
+                 ["export", archive], ["clear", "--key", bundle.key]):
+        p = subprocess.run([sys.executable, "-c", probe, "cache", *argv, "--root", root], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        assert r["rc"] == 0 and not r["torch"], (argv, r)
+    assert [e.kind for e in tools.list_entries(root)] == ["compile"]
+    # import compares the entry with this process's torch and compiler: it is the one that needs torch
+    p = subprocess.run([sys.executable, "-c", probe, "cache", "import", archive, "--root", str(tmp_path / "r2")],
+                       capture_output=True, text=True)
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["rc"] == 0 and "imported 2 entries" in r["out"], r

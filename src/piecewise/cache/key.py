@@ -16,7 +16,8 @@ from typing import Any
 
 # torch is imported where a factor needs it, not here: `piecewise cache ...` reads entries without it.
 
-__all__ = ["ENV_ALLOWLIST", "env_factors", "file_hashes", "source_factors", "input_signature", "compute_key", "diff_factors", "KEY_FORMAT"]
+__all__ = ["ENV_ALLOWLIST", "env_factors", "file_hashes", "source_factors", "input_signature", "compute_key", "diff_factors",
+           "diff_items", "KEY_FORMAT", "NOT_IN_KEY"]
 
 #: Bump when the meaning of factors or the entry layout changes: old entries then miss.
 KEY_FORMAT = 1
@@ -66,19 +67,31 @@ def file_hashes(filenames: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def source_factors(filenames: Iterable[str]) -> dict[str, str]:
-    """``{basename: sha256 of content}`` for every real traced file (see `file_hashes`).
+#: A mapping key that `compute_key` and `diff_factors` skip wherever it appears: a note kept in
+#: ``cache_key_factors.json`` to explain a factor (the traced files' paths), never part of the key.
+#: No base name, environment variable or config field can contain a "/".
+NOT_IN_KEY = "/paths"
+
+
+def source_factors(filenames: Iterable[str]) -> dict[str, Any]:
+    """``{basename: sha256 of content}`` for every real traced file (see `file_hashes`), plus
+    ``{NOT_IN_KEY: {basename: absolute path}}`` so a miss can say which file it was.
 
     The key uses the file's content and base name, not its absolute path, so the same code checked
     out elsewhere still hits."""
     out: dict[str, str] = {}
+    paths: dict[str, str] = {}
     for fn, digest in file_hashes(filenames).items():
         name = os.path.basename(fn)
         # two traced files may share a base name (__init__.py): keep both, ordered by path
         while name in out:
             name += "+"
         out[name] = digest
-    return dict(sorted(out.items()))
+        paths[name] = os.path.abspath(fn)
+    result: dict[str, Any] = dict(sorted(out.items()))
+    if paths:
+        result[NOT_IN_KEY] = dict(sorted(paths.items()))
+    return result
 
 
 def _describe(x: Any) -> Any:
@@ -101,20 +114,38 @@ def input_signature(example_inputs: Sequence[Any], call_signature: Sequence[Any]
 
 
 def compute_key(factors: Mapping[str, Any]) -> str:
-    """A 20-hex-digit key: sha256 of the canonical JSON of `factors`."""
-    blob = json.dumps(factors, sort_keys=True, separators=(",", ":"), default=str)
+    """A 20-hex-digit key: sha256 of the canonical JSON of `factors` (without `NOT_IN_KEY` notes)."""
+    blob = json.dumps(_key_view(factors), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def diff_factors(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Dotted names of the factors that differ between `a` and `b` (recursing into mappings)."""
-    out = []
-    for k in sorted(set(a) | set(b)):
-        name = f"{prefix}{k}"
+def _key_view(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return {k: _key_view(x) for k, x in v.items() if k != NOT_IN_KEY}
+    return v
+
+
+def diff_items(a: Mapping[str, Any], b: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str]]:
+    """The factors that differ between `a` and `b`, recursing into mappings, as ``(path, where)``:
+    `path` the keys leading to the factor, `where` ``"both"`` (values differ), ``"first"`` or
+    ``"second"`` (present only there). `NOT_IN_KEY` notes are skipped."""
+    out: list[tuple[tuple[str, ...], str]] = []
+    for k in sorted((set(a) | set(b)) - {NOT_IN_KEY}, key=str):
+        path = (*prefix, k)
         if k not in a or k not in b:
-            out.append(f"{name} (only in {'second' if k not in a else 'first'})")
+            out.append((path, "second" if k not in a else "first"))
         elif isinstance(a[k], Mapping) and isinstance(b[k], Mapping):
-            out += diff_factors(a[k], b[k], name + ".")
+            out += diff_items(a[k], b[k], path)
         elif a[k] != b[k]:
-            out.append(name)
+            out.append((path, "both"))
+    return out
+
+
+def diff_factors(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the factors that differ between `a` and `b` (recursing into mappings);
+    ``" (only in first)"`` / ``" (only in second)"`` marks a factor present on one side only."""
+    out = []
+    for path, where in diff_items(a, b):
+        name = prefix + ".".join(str(p) for p in path)
+        out.append(name if where == "both" else f"{name} (only in {where})")
     return out

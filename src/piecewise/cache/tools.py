@@ -19,7 +19,7 @@ from typing import Any
 
 import filelock
 
-from .key import diff_factors, env_factors
+from .key import NOT_IN_KEY, diff_factors, diff_items, env_factors
 from .store import FACTORS, INDEX, LOCK, QUARANTINE, IndexError_, _makedirs, check_permissions, read_index, remove_tree
 
 __all__ = ["EntryInfo", "list_entries", "find_entry", "verify", "explain", "clear", "export_archive", "import_archive"]
@@ -164,23 +164,39 @@ def _factors(root: str, ref: str) -> tuple[str, dict[str, Any]]:
 
 def explain(root: str, a: str, b: str) -> tuple[str, str, list[str]]:
     """Which key factors differ between two entries (or factor files: a run's
-    ``cache_key_factors.json``). Returns (name a, name b, ``"factor: value a -> value b"`` lines)."""
+    ``cache_key_factors.json``). Returns (name a, name b, ``"factor: value a -> value b"`` lines;
+    a factor present on one side only reads ``"factor (only in first): value"``). A traced
+    source file shows the first 12 hex digits of its sha256 and its path where recorded."""
     na, fa = _factors(root, a)
     nb, fb = _factors(root, b)
     out = []
-    for name in diff_factors(fa, fb):
-        va, vb = _lookup(fa, name), _lookup(fb, name)
-        out.append(f"{name}: {_short(va)} -> {_short(vb)}")
+    for path, where in diff_items(fa, fb):
+        name = ".".join(str(p) for p in path)
+        va, vb = _describe_factor(fa, path), _describe_factor(fb, path)
+        if where == "both":
+            out.append(f"{name}: {va} -> {vb}")
+        else:
+            out.append(f"{name} (only in {where}): {va if where == 'first' else vb}")
     return na, nb, out
 
 
-def _lookup(factors: dict[str, Any], dotted: str) -> Any:
+def _lookup(factors: dict[str, Any], path: tuple[str, ...]) -> Any:
     cur: Any = factors
-    for part in dotted.split(" ")[0].split("."):
+    for part in path:
         if not isinstance(cur, dict) or part not in cur:
             return "<absent>"
         cur = cur[part]
     return cur
+
+
+def _describe_factor(factors: dict[str, Any], path: tuple[str, ...]) -> str:
+    value = _lookup(factors, path)
+    if len(path) == 2 and path[0] == "sources" and isinstance(value, str):
+        where = _lookup(factors, ("sources", NOT_IN_KEY, path[1]))
+        return f"sha256 {value[:12]}" + (f" ({where})" if isinstance(where, str) and where != "<absent>" else " (path not recorded)")
+    if len(path) == 1 and path[0] == "sources" and isinstance(value, dict):  # all traced files at once
+        return _short({k: v[:12] if isinstance(v, str) else v for k, v in value.items() if k != NOT_IN_KEY})
+    return _short(value)
 
 
 def _short(v: Any, limit: int = 120) -> str:
