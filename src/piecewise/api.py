@@ -42,12 +42,13 @@ from typing import Any
 
 import torch
 
+from . import state
 from .backend import PiecewiseBackend
 from .cache.bundle import WarmStart
 from .capture import Capture, capture
 from .config import CompilationConfig
 from .counters import counters
-from .errors import CompileError, ConfigError, GuardFailureError
+from .errors import CompileError, ConfigError, GuardFailureError, InputError
 from .inputs import CallSignature
 
 __all__ = ["compile", "CompiledModel", "unique_tag"]
@@ -111,8 +112,13 @@ class CompiledModel:
             get_adaptor(config.backend, config)  # an unknown adaptor name fails here, before any call
         self._signature = CallSignature(self._params, self._dynamic, self.tag, config.max_num_tokens)
         self._guards: Any = None  # Dynamo's guard manager of the trace (debug mode checks it)
+        self._object_guards: Any = None  # guards rooted at object arguments, checked every call
         self._fast: Callable[..., Any] | None = None
         self._lock = threading.Lock()
+        # Module state the trace read (`piecewise.state`): verified again whenever the epoch moved.
+        state.install()
+        self._state_epoch = -1
+        self._state_layout: dict[str, Any] = {}
 
     # -- calling ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -120,9 +126,11 @@ class CompiledModel:
             return self.module(*args, **kwargs)
         fast = self._fast
         with torch.no_grad():
-            if fast is None:
+            if fast is None or (state.EPOCH != self._state_epoch and not self._state_unchanged()):
                 return self._first_call(args, kwargs)
             args, kwargs = self._signature.check(args, kwargs)
+            if self._object_guards is not None:
+                self._check_object_guards(args, kwargs)
             if self.config.debug and self._guards is not None:
                 self._check_guards(args, kwargs)
             return fast(self.module, *args, **kwargs)
@@ -139,6 +147,40 @@ class CompiledModel:
         # a decorated forward's guards also read the variables it closes over (the wrapped function)
         f_locals.update((name, cell.cell_contents) for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()))
         return f_locals
+
+    def _state_unchanged(self) -> bool:
+        """The state epoch moved (`piecewise.state`): describe the module again. Same layout: record
+        the epoch and go on. Otherwise follow the change: drop the compiled forward (the next
+        first call traces again, or starts warm from a bundle for this layout), count a recompile
+        and log what changed."""
+        with self._lock:
+            now = state.EPOCH
+            layout, _ = state.describe(self.module)
+            changes = state.diff(self._state_layout, layout)
+            if not changes:
+                self._state_epoch = now
+                return True
+            log.info("[%s] module state the trace read changed after compile (%s); tracing again", self.tag, "; ".join(changes))
+            counters.bump("recompiles", tag=self.tag)
+            counters.bump("state_changes", tag=self.tag)
+            self._fast, self.backend, self._guards, self._object_guards = None, None, None, None
+            return False
+
+    def _record_state(self) -> None:
+        self._state_epoch = state.EPOCH
+        self._state_layout, _ = state.describe(self.module)
+
+    def _check_object_guards(self, args: tuple, kwargs: dict) -> None:
+        """Object arguments: the trace read their attributes, so its guards on them must hold."""
+        f_locals = {s.name: self._signature._value(s, args, kwargs) for s in self._signature.specs if s.name in self._signature.objects}
+        if not self._object_guards.check(f_locals):
+            failed = self._object_guards.check_verbose(f_locals).verbose_code_parts
+            raise InputError(
+                f"[{self.tag}] an object argument differs from the traced one in what the trace read: "
+                f"{failed[0].split('  #')[0] if failed else '?'}. The compiled code would use the traced values; pass an "
+                "object in the traced state (same attribute values, tensors of the traced dtype and shape), or compile "
+                "the variant as a model of its own under another CompilationConfig(tag=...)"
+            )
 
     def _check_guards(self, args: tuple, kwargs: dict) -> None:
         """Debug mode: evaluate the first trace's Dynamo guards on this call's frame locals."""
@@ -162,9 +204,11 @@ class CompiledModel:
             self._signature.record(args, kwargs)
             args, kwargs = self._signature.check(args, kwargs)
             t0 = time.perf_counter()
-            start = WarmStart.open(self, args, kwargs)
+            # Object arguments need the guard manager of a live trace (a bundle does not keep one).
+            start = WarmStart.open(self, args, kwargs) if not self._signature.objects else None
             if start is not None and start.fast is not None:
                 self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
+                self._record_state()
                 out = start.fast(self.module, *args, **kwargs)
                 total = time.perf_counter() - t0
                 self.timings = {"first_call": total, **self.backend.timings, "bundle_load": start.seconds, "dynamo": 0.0,
@@ -178,8 +222,10 @@ class CompiledModel:
                 cap = self._trace(args, kwargs)
             counters.bump("dynamo_traces", tag=self.tag)
             self._guards = cap.guard_manager
+            self._object_guards = cap.object_guards
             fast = cap.function(self._forward_fn.__globals__)
             self._fast = fast
+            self._record_state()
             if start is not None:
                 start.save(self.backend, cap)
             out = fast(self.module, *args, **kwargs)
@@ -197,7 +243,8 @@ class CompiledModel:
 
         try:
             with fx_config.patch(backed_size_oblivious=True):
-                return capture(self.module, args, kwargs, self.backend, full_guards=self.config.debug)
+                return capture(self.module, args, kwargs, self.backend, full_guards=self.config.debug,
+                               object_args=self._signature.objects)
         except (torch._dynamo.exc.UserError, ConstraintViolationError) as e:
             raise ConfigError(
                 f"[{self.tag}] tracing failed: {str(e).splitlines()[0]}. Usually an input dim is tied to a dim marked "

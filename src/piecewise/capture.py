@@ -52,6 +52,7 @@ class Capture:
         guards_state: the serialisable guards as bytes (None: a guard could not be serialised).
         traced_code: the code objects Dynamo inlined (their files enter the cache key).
         why_not_saved: why `guards_state` is None, for the log.
+        object_guards: guard manager of the guards on object arguments (see `capture`), or None.
     """
 
     runtime_env: Any
@@ -62,6 +63,7 @@ class Capture:
     guards_state: bytes | None
     traced_code: list[types.CodeType]
     why_not_saved: str = ""
+    object_guards: Any = None
 
     def function(self, module_globals: dict[str, Any]) -> types.FunctionType:
         """The transformed ``forward`` as a plain function ``f(self, *args, **kwargs)``.
@@ -235,13 +237,17 @@ def _fingerprinted(g: Any, root: torch.nn.Module) -> bool:
     return False
 
 
-def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[..., Any], *, full_guards: bool = False) -> Capture:
+def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[..., Any], *, full_guards: bool = False,
+            object_args: tuple[str, ...] = ()) -> Capture:
     """Trace ``module.forward(*args, **kwargs)`` once with Dynamo (full graph) and compile the graph
     with `backend(gm, example_inputs)`.
 
     Args:
         full_guards: also build the unfiltered guard manager (debug mode checks every guard,
             identity and global guards included); otherwise the guard manager is the serialisable one.
+        object_args: names of arguments that are plain objects (no value equality, e.g. a cache
+            object): `Capture.object_guards` is then a guard manager of the guards rooted at them
+            only, cheap enough to check on every call.
 
     Raises:
         torch._dynamo.exc.Unsupported: a graph break (the model cannot be captured as one graph).
@@ -257,7 +263,9 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
 
     fn = type(module).forward
     with get_metrics_context(), dynamo_timed("piecewise_capture"), torch_function_mode_stack_state_mgr:
-        out = convert_frame.fullgraph_capture(module.forward, args, kwargs)
+        # The class's forward bound to the module, not ``module.forward``: that may be the compiled
+        # model itself (``model.forward = piecewise.compile(model)``, the usual torch.compile idiom).
+        out = convert_frame.fullgraph_capture(types.MethodType(fn, module), args, kwargs)
         gco = out.graph_capture_output
         bi = out.backend_input
         if bi is None:
@@ -304,10 +312,28 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if full_guards or manager is None:
             manager = gco.build_guards(fn.__code__).guard_manager
+        object_guards = None
+        if object_args:
+            roots = set(object_args)
+            object_guards = gco.build_guards(
+                fn.__code__, hooks=Hooks(guard_filter_fn=lambda es: [_guard_root(g.name) in roots for g in es])).guard_manager
     env = gco.get_runtime_env()
     # Globals Dynamo installed for the transformed code (``___module_collections_<id>_c0`` and kin)
     # live in the module's dict of this process only: carry them with the code.
     for name in env.external_refs:
         if name.startswith("___") and name not in env.used_globals and name not in env.import_sources and name in gco.f_globals:
             env.used_globals[name] = gco.f_globals[name]
-    return Capture(env, bi.backend_id, compiled, fn.__code__, manager, guards_state, list(gco.traced_code), why)
+    return Capture(env, bi.backend_id, compiled, fn.__code__, manager, guards_state, list(gco.traced_code), why,
+                   object_guards)
+
+
+_ROOT = re.compile(r"(?:L\[['\"](\w+)['\"]\]|([A-Za-z_]\w*))")
+
+
+def _guard_root(name: str) -> str:
+    """The frame local a guard's source starts from (``L['box'].scale`` and ``box.scale`` -> ``box``);
+    "" for guards on no local (global state, ``G[...]``)."""
+    m = _ROOT.match(name or "")
+    if m is None or name.startswith("G["):
+        return ""
+    return m.group(1) or m.group(2)

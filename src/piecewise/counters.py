@@ -28,7 +28,8 @@ class _Tally:
     pieces_compiled: int = 0  # non-splitting pieces given compiled callables
     splitting_pieces: int = 0
     compiler_invocations: int = 0  # adaptor.compile calls (general, per range, per size)
-    recompiles: int = 0  # a backend instance asked to compile a second graph
+    recompiles: int = 0  # a second graph for a region: Dynamo recompiled, or module state changed after compile
+    state_changes: int = 0  # module state the trace read changed after compile (followed by a new trace)
     fallbacks: int = 0  # piecewise mode fell back to a single piece
     cache_hits: int = 0
     cache_misses: int = 0
@@ -40,6 +41,7 @@ class _Tally:
     bundles_saved: int = 0
     capturable_pieces: int = 0
     graphs_captured: int = 0
+    recaptures: int = 0  # every size captured again because a weight or buffer graphs read in place moved
     graph_replays: int = 0
     eager_above_capture: int = 0  # calls above the largest capture size
 

@@ -11,6 +11,9 @@ naming the argument and the remedy for anything the trace could not cover:
 * ``None`` stays ``None``; other values (numbers, strings, flags, containers of them) must equal a
   snapshot of the traced value, type included (``1`` is not ``1.0``), so in-place edits of a
   list are caught; containers holding tensors are checked leaf by leaf;
+* plain objects (a type without value equality, such as a cache object) are not copied: each call
+  must pass an object of the traced type, and the compiled model checks the trace's Dynamo guards
+  rooted at that argument on every call (`CallSignature.objects` names them);
 * arguments left at their default must stay at it.
 """
 
@@ -45,13 +48,37 @@ class TensorSpec:
 class ArgSpec:
     name: str
     position: int | None  # index in *args, or None for a keyword
-    kind: str  # "tensor" | "none" | "value" | "default" | "tree"
+    kind: str  # "tensor" | "none" | "value" | "default" | "tree" | "object"
     tensor: TensorSpec | None = None
     value: Any = None  # snapshot (value/default) or (treespec, leaf specs) for a tree
 
 
 def _fmt(shape: Sequence[int | None]) -> str:
     return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+
+
+def _has_value_equality(v: Any) -> bool:
+    """Whether `v`'s type compares by value (defines ``__eq__`` beyond object identity)."""
+    return type(v).__eq__ is not object.__eq__
+
+
+def _is_object(v: Any) -> bool:
+    """A plain object: not a tensor, container or None, and without value equality."""
+    if v is None or isinstance(v, torch.Tensor) or not pytree.tree_is_leaf(v):  # registered containers are trees
+        return False
+    return not _has_value_equality(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectLeaf:
+    """A plain object inside a container argument: its type is checked, its content by guards."""
+
+    type: type
+
+
+def _remedy_tag(name: str) -> str:
+    return (f"compile the variant as a model of its own: piecewise.compile(model, CompilationConfig(tag='{name}_variant', ...), "
+            "...) and call that one for it")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -77,6 +104,7 @@ class CallSignature:
         self.specs: list[ArgSpec] = []
         self.alias_groups: list[tuple[int, ...]] = []  # spec indices that were one tensor object
         self.required = 0  # specs that must be passed (not left at a default)
+        self.objects: tuple[str, ...] = ()  # arguments recorded as plain objects
 
     # -- recording ----------------------------------------------------------------------------
     def _tensor_spec(self, name: str, v: torch.Tensor, dims: tuple[int, ...]) -> TensorSpec:
@@ -118,11 +146,13 @@ class CallSignature:
                 spec = ArgSpec(name, pos, "none")
             elif type(v).__module__ == "numpy":
                 raise InputError(f"[{self.tag}] {name!r} is a numpy {type(v).__name__}; pass a torch tensor")
+            elif _is_object(v):
+                spec = ArgSpec(name, pos, "object", value=type(v))
             else:
                 leaves, treespec = pytree.tree_flatten(v)
-                if any(isinstance(x, torch.Tensor) for x in leaves):
-                    leaf_specs = [self._tensor_spec(name, x, ()) if isinstance(x, torch.Tensor) else copy.deepcopy(x)
-                                  for x in leaves]
+                if any(isinstance(x, torch.Tensor) or _is_object(x) for x in leaves):
+                    leaf_specs = [self._tensor_spec(name, x, ()) if isinstance(x, torch.Tensor)
+                                  else ObjectLeaf(type(x)) if _is_object(x) else copy.deepcopy(x) for x in leaves]
                     spec = ArgSpec(name, pos, "tree", value=(treespec, leaf_specs))
                 else:
                     spec = ArgSpec(name, pos, "value", value=copy.deepcopy(v))
@@ -130,6 +160,8 @@ class CallSignature:
         self.specs = specs
         self.alias_groups = [tuple(ix) for ix in first_index.values() if len(ix) > 1]
         self.required = sum(s.kind != "default" for s in specs)
+        self.objects = tuple(s.name for s in specs if s.kind == "object" or (
+            s.kind == "tree" and any(isinstance(ls, ObjectLeaf) for ls in s.value[1])))
 
     def describe(self) -> list[list[Any]]:
         """JSON-ready description of the traced call (enters the cache key)."""
@@ -143,6 +175,8 @@ class CallSignature:
                 out.append([s.name, s.kind, repr(s.value)])
             elif s.kind == "tree":
                 out.append([s.name, "tree", str(s.value[0])])
+            elif s.kind == "object":
+                out.append([s.name, "object", f"{s.value.__module__}.{s.value.__qualname__}"])
             else:
                 out.append([s.name, s.kind])
         return out
@@ -213,13 +247,23 @@ class CallSignature:
                         kwargs = {**kwargs, spec.name: w}
             elif kind == "none":
                 if v is not None:
-                    raise InputError(f"[{self.tag}] {spec.name!r} was None when traced; compile another tag for calls that pass it")
+                    raise InputError(f"[{self.tag}] {spec.name!r} is a {type(v).__name__} now but was None when traced, so "
+                                     f"the trace has no input for it. Pass it on the first call too, or {_remedy_tag(spec.name)}")
             elif kind == "tree":
                 self._check_tree(spec, v)
+            elif kind == "object":
+                if type(v) is not spec.value:
+                    raise InputError(f"[{self.tag}] {spec.name!r} is a {type(v).__qualname__}, traced with a "
+                                     f"{spec.value.__qualname__}; pass an object of the traced type, or {_remedy_tag(spec.name)}")
             elif not _same(v, spec.value):
+                if kind == "default" and isinstance(v, torch.Tensor):
+                    raise InputError(f"[{self.tag}] {spec.name!r} is a tensor now but was left at its default "
+                                     f"{spec.value!r} when traced, so the trace has no input for it. Pass it on the "
+                                     f"first call too, or {_remedy_tag(spec.name)}")
                 what = "was left at its default" if kind == "default" else "is frozen into the trace"
                 raise InputError(f"[{self.tag}] {spec.name!r}={v!r} differs from the traced value {spec.value!r} (it {what}); "
-                                 "non-tensor arguments cannot change after the first call. Compile another tag for it")
+                                 f"non-tensor arguments cannot change after the first call. Pass the traced value, or "
+                                 f"{_remedy_tag(spec.name)}")
         for group in self.alias_groups:
             first = self._value(self.specs[group[0]], args, kwargs)
             if any(self._value(self.specs[i], args, kwargs) is not first for i in group[1:]):
@@ -240,6 +284,10 @@ class CallSignature:
             if isinstance(ls, TensorSpec):
                 if self._check_tensor(f"{spec.name}[{i}]", x, ls) is not x:
                     raise InputError(f"[{self.tag}] {spec.name!r} leaf {i} is not contiguous; pass contiguous tensors in containers")
+            elif isinstance(ls, ObjectLeaf):
+                if type(x) is not ls.type:
+                    raise InputError(f"[{self.tag}] {spec.name!r} leaf {i} is a {type(x).__qualname__}, traced with a "
+                                     f"{ls.type.__qualname__}; pass an object of the traced type")
             elif not _same(x, ls):
                 raise InputError(f"[{self.tag}] {spec.name!r} leaf {i}={x!r} differs from the traced {ls!r}")
 

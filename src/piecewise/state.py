@@ -1,0 +1,155 @@
+"""Module state the trace read, and a cheap way to notice that it changed.
+
+A compiled forward reads more than its arguments: parameters and buffers (Dynamo lifts them into
+graph inputs, so compiled code is specialised to their dtype, device, shape and strides, and a
+captured graph to their addresses), tensors kept as plain module attributes, and the modules'
+``training`` flags. Checking all of that on every call costs about 80 ns a tensor with Dynamo's
+C++ tensor check (8 us for 100 tensors on a 2-core x86 machine), far above the dispatch budget.
+
+Instead every change that goes through ``torch.nn.Module`` moves one process-wide counter, the
+*state epoch* (`epoch`), and a compiled model compares the epoch it last verified with the current
+one on every call (one integer comparison). Only when the epoch moved does it describe its module
+again (`describe`, O(parameters)) and compare the description with the one taken after the trace
+(`diff`). What moves the epoch:
+
+* parameter, buffer and submodule (re)assignment and registration (``m.w = nn.Parameter(...)``,
+  ``m.cache = torch.zeros(...)`` for a buffer, ``register_buffer``, ``load_state_dict(assign=True)``,
+  ``m.block = nn.Linear(...)``): torch's public global registration hooks;
+* ``Module._apply``, behind ``.to()``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.double()``,
+  ``.cuda()``, ``.cpu()``, ``.type()``, ``.to_empty()``, ``.share_memory()``;
+* ``Module.train`` / ``.eval()``.
+
+The last two have no hook in torch; a thin wrapper around each is installed on ``nn.Module`` once,
+when the first model is compiled (`install`). Dynamo special-cases ``Module.__setattr__`` by
+identity, so that method is left alone: a plain (non-tensor, non-module) attribute assigned after
+the first call does not move the epoch (see README "What to know" for the full list).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["epoch", "bump", "install", "describe", "diff", "TensorState"]
+
+#: the state epoch; read it through `epoch()` or as ``state.EPOCH`` on the hot path
+EPOCH = 0
+_lock = threading.Lock()
+_installed = False
+
+
+def epoch() -> int:
+    """The current state epoch (an int that only grows)."""
+    return EPOCH
+
+
+def bump(*_: Any) -> None:
+    """Move the epoch: some module state changed. Returns None so it can serve as a registration
+    hook (a hook's non-None return value would replace the registered tensor)."""
+    global EPOCH
+    EPOCH += 1  # a lost increment under a race still moves the epoch away from every reader's copy
+
+
+def install() -> None:
+    """Register the hooks and wrappers that move the epoch (idempotent, process-wide)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        from torch.nn.modules import module as nn_module
+
+        nn_module.register_module_parameter_registration_hook(bump)
+        nn_module.register_module_buffer_registration_hook(bump)
+        nn_module.register_module_module_registration_hook(bump)
+        for name in ("_apply", "train"):
+            original = getattr(torch.nn.Module, name)
+            if getattr(original, "__piecewise_bumps__", False):
+                continue
+            setattr(torch.nn.Module, name, _bumping(original))
+        _installed = True
+
+
+def _bumping(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            bump()
+
+    wrapper.__piecewise_bumps__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+class TensorState(tuple):
+    """(type name, dtype, device, shape, strides, storage offset) of one tensor; the layout the
+    compiled code was specialised to. Addresses are kept apart (`describe` ``addresses``)."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        kind, dtype, device, shape, stride, offset = self
+        return f"{kind} {dtype} on {device}, shape {list(shape)}, strides {list(stride)}"
+
+
+def _tensor_state(t: torch.Tensor) -> TensorState:
+    return TensorState((type(t).__name__, str(t.dtype), str(t.device), tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+
+
+def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
+    """What of `module` a trace depends on that can change after it, by dotted path.
+
+    Returns ``(layout, addresses)``: `layout` maps each parameter, buffer and tensor-valued plain
+    attribute to its `TensorState` (None for a registered ``None``), and each submodule's
+    ``training`` flag and class to their values; `addresses` maps each tensor path to its
+    ``data_ptr()``. Cost: O(submodules + tensors), about 2 us a tensor."""
+    layout: dict[str, Any] = {}
+    addresses: dict[str, int] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        layout[f"{prefix}<class>"] = f"{type(m).__module__}.{type(m).__qualname__}"
+        layout[f"{prefix}training"] = m.training
+        for kind in ("_parameters", "_buffers"):
+            for pname, p in m.__dict__[kind].items():
+                path = prefix + pname
+                layout[path] = None if p is None else _tensor_state(p)
+                if p is not None:
+                    addresses[path] = p.data_ptr()
+        for aname, v in m.__dict__.items():
+            if isinstance(v, torch.Tensor) and not aname.startswith("__"):
+                layout[prefix + aname] = _tensor_state(v)
+                addresses[prefix + aname] = v.data_ptr()
+    return layout, addresses
+
+
+def diff(before: dict[str, Any], after: dict[str, Any], limit: int = 3) -> list[str]:
+    """Readable differences between two `describe` layouts (or address maps), at most `limit`
+    named, then a count of the rest."""
+    out: list[str] = []
+    keys = list(before) + [k for k in after if k not in before]
+    changed = [k for k in keys if before.get(k, _ABSENT) != after.get(k, _ABSENT)]
+    for k in changed[:limit]:
+        a, b = before.get(k, _ABSENT), after.get(k, _ABSENT)
+        out.append(f"{k or '<root>'}: {_show(a)} -> {_show(b)}")
+    if len(changed) > limit:
+        out.append(f"and {len(changed) - limit} more")
+    return out
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT = _Absent()
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, TensorState):
+        return str(v)
+    if isinstance(v, int) and not isinstance(v, bool) and v > 1 << 16:
+        return hex(v)
+    return repr(v)

@@ -1,0 +1,255 @@
+"""State the trace read beyond the call's arguments: followed (a new trace, logged and counted) or
+refused (a typed error naming the change), never silently wrong. See piecewise.state."""
+
+import logging
+
+import pytest
+import torch
+
+import piecewise as pw
+from piecewise import CompilationConfig, counters, state
+
+
+@pw.splitting_op("pw_test_state::attn", mutates_args=())
+def attn(q: torch.Tensor) -> torch.Tensor:
+    return q * 2
+
+
+@attn.register_fake
+def _(q):
+    return torch.empty_like(q)
+
+
+class Embedder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(100, 16))
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("gain", torch.ones(16))
+
+    def forward(self, ids):
+        h = torch.ops.pw_test_state.attn(self.lin(self.emb[ids]) * self.gain)
+        return (h.tanh() * self.gain).float()
+
+
+def _compile(model, backend="eager", **kw):
+    return pw.compile(model, CompilationConfig(backend=backend, max_num_tokens=64, **kw), dynamic_arg_dims={"ids": 0})
+
+
+def _tol(dtype):
+    return {"rtol": 2e-2, "atol": 2e-2} if dtype in (torch.bfloat16, torch.float16) else {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("cast", ["bfloat16", "half", "double", "to_bf16"])
+def test_cast_after_compile_is_followed_by_a_new_trace(cast, backend, caplog):
+    model = Embedder().eval()
+    cm = _compile(model, backend)
+    gen = torch.Generator().manual_seed(1)
+    cm(torch.randint(0, 100, (7,), generator=gen))
+    {"bfloat16": model.bfloat16, "half": model.half, "double": model.double,
+     "to_bf16": lambda: model.to(torch.bfloat16)}[cast]()
+    dtype = model.emb.dtype
+    with caplog.at_level(logging.INFO, logger="piecewise"), counters.expect(state_changes=1, recompiles=1, dynamo_traces=1):
+        for n in (7, 3, 12):
+            ids = torch.randint(0, 100, (n,), generator=gen)
+            with torch.no_grad():
+                torch.testing.assert_close(cm(ids), model(ids), **_tol(dtype))
+    assert "emb" in caplog.text and str(dtype).replace("torch.", "") in caplog.text and "tracing again" in caplog.text
+
+
+def test_parameter_replaced_with_another_shape_is_followed():
+    model = Embedder().eval()
+    cm = _compile(model)
+    cm(torch.randint(0, 100, (5,)))
+    model.emb = torch.nn.Parameter(torch.randn(300, 16))  # a bigger vocabulary
+    ids = torch.randint(0, 300, (9,))
+    with counters.expect(state_changes=1, recompiles=1):
+        with torch.no_grad():
+            torch.testing.assert_close(cm(ids), model(ids))
+
+
+def test_buffer_reassigned_with_the_same_layout_is_read_live_without_a_trace():
+    model = Embedder().eval()
+    cm = _compile(model)
+    ids = torch.randint(0, 100, (5,))
+    cm(ids)
+    model.gain = torch.full((16,), 3.0)  # new tensor, new values, same dtype/shape
+    with counters.expect(state_changes=0, recompiles=0, dynamo_traces=0):
+        with torch.no_grad():
+            torch.testing.assert_close(cm(ids), model(ids))
+
+
+def test_in_place_weight_update_needs_nothing():
+    model = Embedder().eval()
+    cm = _compile(model)
+    ids = torch.randint(0, 100, (5,))
+    cm(ids)
+    with torch.no_grad():
+        model.lin.weight.mul_(-1)
+    with counters.expect(state_changes=0, recompiles=0, dynamo_traces=0):
+        with torch.no_grad():
+            torch.testing.assert_close(cm(ids), model(ids))
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.ops.pw_test_state.attn(self.lin(x))
+        return h * 10 if self.training else h
+
+
+def test_train_eval_switch_is_followed():
+    model = Branchy().eval()
+    cm = pw.compile(model, CompilationConfig(backend="eager"), dynamic_arg_dims={"x": 0})
+    x = torch.randn(3, 4)
+    cm(x)
+    model.train()
+    with counters.expect(state_changes=1):
+        with torch.no_grad():
+            torch.testing.assert_close(cm(x), model(x))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), model(x))
+
+
+def test_a_model_built_elsewhere_moves_the_epoch_but_changes_nothing():
+    model = Embedder().eval()
+    cm = _compile(model)
+    ids = torch.randint(0, 100, (5,))
+    cm(ids)
+    before = state.epoch()
+    Embedder()  # registers parameters: the epoch moves, this model's state does not
+    assert state.epoch() > before
+    with counters.expect(state_changes=0, recompiles=0, dynamo_traces=0):
+        cm(ids)
+        cm(ids)
+
+
+def test_plain_attribute_change_is_refused_in_debug_mode():
+    """Documented as the user's responsibility without debug: a plain attribute set after the
+    first call moves no epoch. Debug mode checks the trace's guards on every call and refuses it."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = 2.0
+
+        def forward(self, x):
+            return torch.ops.pw_test_state.attn(x * self.scale)
+
+    model = Scaled()
+    cm = pw.compile(model, CompilationConfig(backend="eager", debug=True), dynamic_arg_dims={"x": 0})
+    cm(torch.randn(3, 2))
+    model.scale = 3.0
+    with pytest.raises(pw.GuardFailureError, match="scale"):
+        cm(torch.randn(3, 2))
+
+
+# -- object arguments -----------------------------------------------------------------------------
+
+
+class Box:  # a cache-like object: no value equality
+    def __init__(self, scale, shift=0.0):
+        self.scale = scale
+        self.shift = shift
+
+
+class WithBox(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, box):
+        return torch.ops.pw_test_state.attn(self.lin(x) * box.scale + box.shift)
+
+
+def _with_box():
+    model = WithBox().eval()
+    return model, pw.compile(model, CompilationConfig(backend="eager"), dynamic_arg_dims={"x": 0})
+
+
+def test_object_argument_first_call_and_fresh_objects_in_the_traced_state():
+    model, cm = _with_box()
+    for n, scale in ((3, torch.ones(4)), (5, torch.full((4,), 2.0)), (1, torch.randn(4))):
+        box, x = Box(scale), torch.randn(n, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(cm(x, box), model(x, box))
+    assert counters.recompiles == 0 and counters.dynamo_traces == 1
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda b: setattr(b, "shift", 1.5), "shift"),
+    (lambda b: setattr(b, "scale", b.scale.double()), "scale"),
+    (lambda b: setattr(b, "scale", torch.ones(2, 4)), "scale"),
+])
+def test_object_argument_changed_in_what_the_trace_read_is_refused(change, match):
+    model, cm = _with_box()
+    box = Box(torch.ones(4))
+    cm(torch.randn(3, 4), box)
+    change(box)
+    with pytest.raises(pw.InputError, match=match):
+        cm(torch.randn(3, 4), box)
+
+
+def test_object_argument_of_another_type_is_refused():
+    class OtherBox(Box):
+        pass
+
+    model, cm = _with_box()
+    cm(torch.randn(3, 4), Box(torch.ones(4)))
+    with pytest.raises(pw.InputError, match="OtherBox.*traced with a Box"):
+        cm(torch.randn(3, 4), OtherBox(torch.ones(4)))
+
+
+def test_objects_inside_containers():
+    class Pair(torch.nn.Module):
+        def forward(self, x, boxes):
+            return torch.ops.pw_test_state.attn(x * boxes[0].scale + boxes[1])
+
+    model = Pair()
+    cm = pw.compile(model, CompilationConfig(backend="eager"), dynamic_arg_dims={"x": 0})
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(cm(x, (Box(torch.ones(4)), 2.0)), model(x, (Box(torch.ones(4)), 2.0)))
+    torch.testing.assert_close(cm(x, (Box(torch.full((4,), 3.0)), 2.0)), model(x, (Box(torch.full((4,), 3.0)), 2.0)))
+    with pytest.raises(pw.InputError, match="scale"):
+        cm(x, (Box(torch.ones(4, dtype=torch.float64)), 2.0))
+
+
+# -- messages ----------------------------------------------------------------------------------
+
+
+def test_tensor_passed_where_the_trace_saw_a_default_none_says_how_to_compile_a_variant():
+    class Masked(torch.nn.Module):
+        def forward(self, x, attention_mask=None):
+            h = torch.ops.pw_test_state.attn(x)
+            return h if attention_mask is None else h * attention_mask
+
+    cm = pw.compile(Masked(), CompilationConfig(backend="eager"), dynamic_arg_dims={"x": 0})
+    cm(torch.randn(3, 4))
+    with pytest.raises(pw.InputError) as info:
+        cm(torch.randn(3, 4), attention_mask=torch.ones(3, 4))
+    msg = str(info.value)
+    assert "'attention_mask' is a tensor now but was left at its default None" in msg
+    assert "CompilationConfig(tag=" in msg and "non-tensor" not in msg
+
+
+def test_forward_assigned_the_compiled_model():
+    """``model.forward = piecewise.compile(model)``: the usual torch.compile idiom."""
+    model = Embedder().eval()
+    ids = torch.randint(0, 100, (6,))
+    with torch.no_grad():
+        expected = model(ids)
+    model.forward = _compile(model)
+    torch.testing.assert_close(model(ids), expected)
+    ids2 = torch.randint(0, 100, (11,))
+    out = model(ids2)
+    del model.forward
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(ids2))
+    assert counters.dynamo_traces == 1 and counters.recompiles == 0
