@@ -132,6 +132,7 @@ class PiecewiseBackend:
         counters.bump("graphs_seen", tag=self.tag)
         self.traced_files = traced_source_files()
         graph_hash = hashlib.sha256(gm.code.encode()).hexdigest()  # before splitting rewrites the graph
+        self._mixing = self._token_mixing(gm, example_inputs)
         t0 = time.perf_counter()
         self.split = self._split(gm)
         self.timings["split"] = time.perf_counter() - t0
@@ -150,6 +151,18 @@ class PiecewiseBackend:
             self.timings["split"], self.timings["compile"], self.adaptor.name,
         )
         return self.compiled
+
+    def _token_mixing(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
+        """Nodes that combine values across tokens (`graphs.setup.token_mixing`), when graphs may be
+        captured for this graph; [] otherwise."""
+        if self.config.cudagraph_mode == "none":
+            return []
+        symbol = dispatch_symbol(example_inputs)
+        if symbol is None:
+            return []
+        from .graphs.setup import token_mixing
+
+        return token_mixing(gm, symbol, frozenset(self.split_ops))
 
     def key_factors(self, graph_hash: str, example_inputs: Sequence[Any]) -> dict[str, Any]:
         """Every factor of the cache key, raw (SPEC §5.2)."""
@@ -241,7 +254,7 @@ class PiecewiseBackend:
         if sym_index is not None:
             from .graphs.setup import graph_plan as plan_graphs
 
-            graph_plan = plan_graphs(fake_inputs, fake_outputs, symbol, self.tag)
+            graph_plan = plan_graphs(fake_inputs, fake_outputs, symbol, self.tag, getattr(self, "_mixing", ()))
         return self._stitch(split, state, sym_index, graph_plan)
 
     def _stitch(self, split: SplitResult, state: DispatchState, sym_index: int | None,

@@ -90,31 +90,175 @@ def test_out_of_memory_skips_the_remaining_sizes():
             torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_moved_input_address_raises_capture_error():
-    class WithBias(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bias = torch.nn.Parameter(torch.ones(8))
+class _WithBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.ones(8))
+        self.register_buffer("cache", torch.zeros(8))
 
-        def forward(self, x):
-            return torch.ops.piecewise_models.toy_attention(x + self.bias, x, x) * 2
+    def forward(self, x):
+        return torch.ops.piecewise_models.toy_attention(x + self.bias + self.cache, x, x) * 2
 
+
+@pytest.mark.parametrize("reassign", ["parameter", "buffer", "load_state_dict_assign"])
+def test_weight_or_buffer_reassigned_after_every_size_replayed_is_followed_by_recapture(reassign):
     with fake_cpu_platform():
-        model = WithBias()
+        model = _WithBias()
+        cm = _compile(model)
+        gen = torch.Generator().manual_seed(1)
+        for n in (3, 7, 12, 3, 7, 12):  # every capture size replayed, addresses checked once each
+            cm(torch.randn(n, 8, generator=gen))
+        captured = counters.graphs_captured
+        if reassign == "parameter":
+            model.bias = torch.nn.Parameter(torch.full((8,), 5.0))
+        elif reassign == "buffer":
+            model.cache = torch.full((8,), 10.0)  # a KV cache allocated again: new address
+        else:
+            model.load_state_dict({"bias": torch.full((8,), -2.0)}, strict=False, assign=True)
+        with counters.expect(recaptures=1, recompiles=0):
+            for n in (3, 7, 12, 5):
+                x = torch.randn(n, 8, generator=gen)
+                torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+        assert counters.graphs_captured == 2 * captured, "every size captured again, once"
+
+
+def test_moved_address_not_announced_is_caught_at_replay():
+    """``p.data = t`` moves memory behind nn.Module's back (no epoch change): the replay-time address
+    check still refuses it on a size's first replay, and on every replay with debug=True."""
+    with fake_cpu_platform():
+        model = _WithBias()
         cm = _compile(model)
         cm(torch.randn(3, 8))  # replays size 4 once: checked
-        model.bias = torch.nn.Parameter(torch.zeros(8))  # a new tensor at a new address
+        model.bias.data = torch.zeros(8)
         with pytest.raises(pw.CaptureError, match="moved since capture"):
             cm(torch.randn(7, 8))  # the first replay of size 8 checks addresses
         torch._dynamo.reset()
-        # debug mode checks every replay, so a size already replayed catches it too
-        model = WithBias()
+        model = _WithBias()
         cm = _compile(model, debug=True)
         cm(torch.randn(3, 8))
         cm(torch.randn(3, 8))
-        model.bias = torch.nn.Parameter(torch.zeros(8))
+        model.bias.data = torch.zeros(8)
         with pytest.raises(pw.CaptureError, match="moved since capture"):
             cm(torch.randn(3, 8))
+
+
+class _Pooled(torch.nn.Module):
+    """Attention, then a step that combines tokens (set by `how`)."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 8)
+        self.how = how
+
+    def forward(self, x):
+        h = torch.ops.piecewise_models.toy_attention(self.a(x), x, x)
+        if self.how == "mean":
+            return h.mean(dim=0)
+        if self.how == "sum_keepdim":
+            return h.sum(0, keepdim=True) + 1
+        if self.how == "centre":  # every row depends on every row, shape unchanged
+            return h - h.mean(0)
+        if self.how == "softmax_tokens":
+            return h.softmax(dim=0)
+        if self.how == "cumsum_tokens":
+            return h.cumsum(0)
+        if self.how == "gram":
+            return h.t() @ h
+        if self.how == "softmax_features":  # row-local: graphs stay on
+            return h.softmax(dim=-1)
+        raise AssertionError(self.how)
+
+
+@pytest.mark.parametrize("how", ["mean", "sum_keepdim", "centre", "softmax_tokens", "cumsum_tokens", "gram"])
+def test_token_mixing_outside_splitting_ops_turns_graphs_off_and_stays_exact(how, caplog):
+    """Padding a call to a capture size must never let pad rows into real results: a model that
+    reduces or mixes along the token dim outside splitting ops gets no graphs (logged)."""
+    model = _Pooled(how).eval()
+    with fake_cpu_platform() as plat:
+        cm = _compile(model)
+        gen = torch.Generator().manual_seed(2)
+        with caplog.at_level("WARNING", logger="piecewise"):
+            for n in (13, 3, 5, 9):
+                x = torch.randn(n, 8, generator=gen)
+                with torch.no_grad():
+                    torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+        assert plat.captured_sizes == [] and counters.graphs_captured == 0
+        assert "combines values across tokens" in caplog.text and "cudagraph_mode='none'" in caplog.text
+
+
+def test_row_local_model_keeps_graphs():
+    model = _Pooled("softmax_features").eval()
+    with fake_cpu_platform():
+        cm = _compile(model)
+        x = torch.randn(13, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+        assert counters.graphs_captured > 0
+
+
+@pw.splitting_op("pw_test_graphs::gate", mutates_args=("out",))
+def _gate(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(q * k.sigmoid())  # row-local, any rank; writes into an output argument
+
+
+@_gate.register_fake
+def _(q, k, out):
+    return None
+
+
+class _TokenDim(torch.nn.Module):
+    """Token dim at `dim`: input [2, tokens, 8] (dim 1) or [2, 3, tokens, 8] (dim 2)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qk = torch.nn.Linear(8, 16)
+        self.o = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, dim=-1)
+        out = torch.empty_like(q)
+        torch.ops.pw_test_graphs.gate(q, k, out)
+        return self.o(out) + x
+
+
+@pytest.mark.parametrize("dim,shape", [(1, (2, None, 8)), (2, (2, 3, None, 8)), (0, (None, 2, 8))])
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_any_token_dim_pads_into_contiguous_static_buffers(dim, shape, backend):
+    model = _TokenDim().eval()
+    with fake_cpu_platform():
+        cm = pw.compile(model, CompilationConfig(backend=backend, max_num_tokens=16, cudagraph_capture_sizes=[4, 8]),
+                        dynamic_arg_dims={"x": dim})
+        gen = torch.Generator().manual_seed(3)
+        for n in (5, 1, 8, 3, 12, 5):
+            x = torch.randn(*[n if s is None else s for s in shape], generator=gen)
+            with torch.no_grad():
+                torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-4)
+        assert counters.graphs_captured > 0 and counters.recompiles == 0
+
+
+def test_warm_up_failure_is_a_capture_error_naming_piece_and_size():
+    @pw.splitting_op("pw_test_graphs::fails_padded", mutates_args=())
+    def fails_padded(x: torch.Tensor) -> torch.Tensor:
+        ctx = pw.forward_context()
+        if ctx is not None and ctx.padded_num_tokens == 16:
+            raise RuntimeError("no kernel for 16 rows")
+        return x * 2
+
+    @fails_padded.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.pw_test_graphs.fails_padded(x + 1) - 1
+
+    with fake_cpu_platform():
+        cm = _compile(M())
+        with pytest.raises(pw.CaptureError, match="size 16") as info:
+            cm(torch.randn(3, 8))
+        assert "no kernel for 16 rows" in str(info.value)
 
 
 def test_full_and_full_and_piecewise_modes_nest():

@@ -20,12 +20,15 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from .. import state
 from ..counters import counters
+from ..errors import CaptureError
 from ..forward_context import BatchDescriptor, ForwardContext, _current
 from .wrapper import GraphRunner, PieceGraphWrapper
 
@@ -50,11 +53,29 @@ def batch_hint(*, uniform_decode: bool) -> Iterator[None]:
 
 @dataclasses.dataclass
 class StaticInput:
-    """A graph input whose `dim` is the token dim: copied and padded into `buffer` every call."""
+    """A graph input whose `dim` is the token dim: copied and padded into a static buffer every call.
+
+    The buffer is one flat allocation for ``max_num_tokens`` rows; the input of padded size ``p`` is
+    its first ``numel(p)`` elements viewed at the input's shape, so it is contiguous (the layout the
+    pieces were compiled for) and starts at the same address for every size, whichever dim is the
+    token dim (``buffer.narrow(dim, 0, p)`` of a [2, max, 8] buffer would be strided for dim 1)."""
 
     index: int
     dim: int
     buffer: torch.Tensor | None = None
+    views: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def view(self, x: torch.Tensor, padded: int, max_num_tokens: int) -> torch.Tensor:
+        """The static input of padded size `padded`, shaped like `x` with `padded` tokens."""
+        v = self.views.get(padded)
+        if v is None:
+            shape = list(x.shape)
+            shape[self.dim] = max_num_tokens
+            if self.buffer is None:
+                self.buffer = torch.zeros(math.prod(shape), dtype=x.dtype, device=x.device)
+            shape[self.dim] = padded
+            v = self.views[padded] = self.buffer[: math.prod(shape)].view(shape)
+        return v
 
 
 class GraphDispatcher:
@@ -95,6 +116,11 @@ class GraphDispatcher:
         self.captured_ptrs = False
         self.num_tokens_device: torch.Tensor | None = None
         self._warned_above = False
+        self._all_sizes = list(self.sizes)
+        self.wrappers: list[PieceGraphWrapper] = []  # piece wrappers (piecewise mode), set by install_graphs
+        # Inputs bound in place by every graph (weights, buffers): (index, address) at capture.
+        self._bound: list[tuple[int, int]] = []
+        self._state_epoch = -1
         runner.on_size_failed = self._drop_size
 
     def _drop_size(self, size: int) -> None:
@@ -103,6 +129,8 @@ class GraphDispatcher:
 
     # -- per call -------------------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...]) -> Any:
+        if self.captured and state.EPOCH != self._state_epoch:
+            self._verify_bound(args)
         if not self.captured:
             self.capture_all(args)
         n = args[self.sym_index]
@@ -136,22 +164,45 @@ class GraphDispatcher:
         new = list(args)
         for si in self.static_inputs:
             x = args[si.index]
-            buf = si.buffer
-            if buf is None:
-                shape = list(x.shape)
-                shape[si.dim] = self.max_num_tokens
-                buf = si.buffer = torch.zeros(shape, dtype=x.dtype, device=x.device)
+            buf = si.view(x, padded, self.max_num_tokens)
             if n:
                 buf.narrow(si.dim, 0, n).copy_(x.narrow(si.dim, 0, n))
             if padded > n:
                 buf.narrow(si.dim, n, padded - n).zero_()
-            new[si.index] = buf.narrow(si.dim, 0, padded)
+            new[si.index] = buf
         new[self.sym_index] = padded
         if not self.captured_ptrs:
             # Static buffers, weights and caches: bound in place by every graph (checked at replay).
             self.captured_ptrs = True
             self.runner.stable_ptrs.update(a.data_ptr() for a in new if isinstance(a, torch.Tensor))
+            statics = {si.index for si in self.static_inputs}
+            self._bound = [(i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in statics]
+            self._state_epoch = state.EPOCH
         return new
+
+    def _verify_bound(self, args: tuple[Any, ...]) -> None:
+        """Module state changed somewhere (`piecewise.state`): a weight or buffer every graph reads in
+        place may have moved (a KV cache allocated again, ``load_state_dict(assign=True)``). Moved:
+        follow it by capturing every size again on this call, logged; the old graphs are dropped."""
+        moved = [i for i, ptr in self._bound if not isinstance(args[i], torch.Tensor) or args[i].data_ptr() != ptr]
+        self._state_epoch = state.EPOCH
+        if not moved:
+            return
+        log.info("[%s] graph input(s) %s moved since capture (a weight or buffer was reassigned); capturing the %d sizes "
+                 "again", self.tag, moved[:8], len(self._all_sizes))
+        counters.bump("recaptures", tag=self.tag)
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every captured graph; the next call warms up and captures again (same sizes)."""
+        for w in [*self.wrappers, *([self.full] if self.full is not None else [])]:
+            w.entries.clear()
+        self.runner.reset()
+        self.sizes = list(self._all_sizes)
+        self.table = self._table_cls(self.sizes, self.max_num_tokens)
+        self.captured = False
+        self.captured_ptrs = False
+        self._bound = []
 
     def _slice(self, out: Any, n: int) -> Any:
         if isinstance(out, (tuple, list)):
@@ -174,7 +225,14 @@ class GraphDispatcher:
                     for _ in range(self.runner.num_warmups + 1):
                         if size not in self.sizes:
                             break
-                        self._run(template, 0, size)
+                        try:
+                            self._run(template, 0, size)
+                        except CaptureError:
+                            raise
+                        except Exception as e:
+                            raise CaptureError(f"[{self.tag}] warm-up before graph capture failed at size {size} "
+                                               f"({mode} mode): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+                                               "Set cudagraph_mode='none' to run without graphs") from e
         d = counters.delta_since(before)
         log.info("[%s] captured %d graphs over %d sizes (%s), pool %.1f MB; sizes %s", self.tag, d.get("graphs_captured", 0),
                  len(self.sizes), self.mode, self.runner.total_pool_bytes / 2**20, self.sizes)

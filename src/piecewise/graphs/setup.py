@@ -13,7 +13,7 @@ from .dispatch import GraphDispatcher, StaticInput
 from .platform import resolve_platform
 from .wrapper import GraphRunner, PieceGraphWrapper
 
-__all__ = ["graph_plan", "install_graphs"]
+__all__ = ["graph_plan", "install_graphs", "token_mixing"]
 
 log = logging.getLogger("piecewise")
 _logged_no_platform: set[str] = set()
@@ -33,12 +33,86 @@ def _token_dim(x: Any, symbol: Any) -> int | None | bool:
     return found
 
 
-def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, tag: str) -> dict[str, Any]:
+#: ops that combine values along a dim they take as argument (position 1 or ``dim``/``dims``):
+#: along the token dim, pad rows would flow into real rows
+_MIXING_ALONG_DIM = frozenset({
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp",
+    "sort", "argsort", "topk", "flip", "roll", "diff", "kthvalue", "median", "nanmedian", "mode", "msort",
+    "_safe_softmax", "glu", "renorm", "normalize", "unfold",
+})
+#: calls that read only the dtype and device (or nothing) of a token-dim input
+_METADATA_ONLY = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "size", "sym_size", "dim",
+                            "numel", "stride", "storage_offset", "type_as", "__getattr__", "element_size"})
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    name = getattr(t, "__name__", None) or str(t)
+    return name.split(".")[0] if "." in name and not name.startswith("_") else name
+
+
+def _token_bearing_dims(v: Any, symbol: Any) -> list[int]:
+    return [d for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and symbol in s.node.expr.free_symbols]
+
+
+def token_mixing(gm: torch.fx.GraphModule, symbol: Any, split_ops: frozenset[str]) -> list[str]:
+    """Nodes of `gm` outside splitting ops that combine values across tokens, as readable lines.
+
+    Graph capture pads a call of ``n`` tokens to a capture size and runs the padded rows through
+    every piece; that is only correct when each token's result depends on its own row. A node
+    mixes rows when a tensor input carries the token count in a dim and (a) its output carries it
+    in none (a reduction, a contraction such as ``x.T @ x``, an index picking rows), or (b) it is
+    an op that combines values along a dim argument (softmax, cumsum, sort, flip, ...) and that
+    dim carries the token count. Splitting ops are left out: they see the real count in the
+    forward context and must skip pad rows themselves. Conservative by design: a node reported
+    here turns graphs off for the model, it never changes results."""
+    from ..split import is_splitting_node
+
+    found: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module") or is_splitting_node(node, split_ops):
+            continue
+        name = _op_name(node)
+        if name in _METADATA_ONLY or name.lstrip("_").startswith(("new_", "sym_")):
+            continue
+        ins = [a.meta.get("example_value", a.meta.get("val")) for a in node.all_input_nodes]
+        token_in = [v for v in ins if isinstance(v, torch.Tensor) and _token_bearing_dims(v, symbol)]
+        if not token_in:
+            continue
+        out = node.meta.get("example_value", node.meta.get("val"))
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        where = node.meta.get("stack_trace", "").strip().splitlines()
+        site = f" ({where[-2].strip()})" if len(where) >= 2 else ""
+        if outs and not any(_token_bearing_dims(o, symbol) for o in outs):
+            found.append(f"{node.name} ({name}) has a token-dim input and an output without one{site}")
+            continue
+        if name in _MIXING_ALONG_DIM:
+            dim = node.kwargs.get("dim", node.kwargs.get("dims", node.args[1] if len(node.args) > 1 else None))
+            x = token_in[0]
+            dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+            bearing = set(_token_bearing_dims(x, symbol))
+            if dim is None or any(isinstance(d, int) and d % max(x.dim(), 1) in bearing for d in dims):
+                found.append(f"{node.name} ({name}) combines values along the token dim{site}")
+    return found
+
+
+def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, tag: str,
+               mixing: Sequence[str] = ()) -> dict[str, Any]:
     """What graph capture needs to know about a graph, as plain data (saved in warm-start bundles).
 
     Returns ``{"device": str, "static_inputs": [[input index, token dim], ...], "output_dims":
-    [token dim or None per output]}``, or with ``"refused": reason`` when inputs cannot be padded."""
+    [token dim or None per output]}``, or with ``"refused": reason`` when inputs cannot be padded
+    or the graph combines values across tokens (`mixing`, from `token_mixing`): padding would let
+    pad rows into real results."""
     device = next((x.device.type for x in fake_inputs if isinstance(x, torch.Tensor)), "cpu")
+    if mixing:
+        more = f" and {len(mixing) - 2} more" if len(mixing) > 2 else ""
+        return {"device": device, "refused": f"the model combines values across tokens outside splitting ops, so pad rows "
+                f"of a padded call would change real results: {'; '.join(mixing[:2])}{more}. Graphs need every token's "
+                "result to depend on its own row only; move such steps into a splitting op that honours "
+                "forward_context().num_tokens, or after the compiled model, or set cudagraph_mode='none'"}
     statics: list[list[int]] = []
     for i, x in enumerate(fake_inputs):
         d = _token_dim(x, symbol)
@@ -86,6 +160,8 @@ def install_graphs(backend, stitched, plan: dict[str, Any]) -> GraphDispatcher |
             backend.stitched_wrappers.append(w)
         counters.bump("capturable_pieces", len(backend.runners), tag=tag)
     backend.graph_runner = runner
-    return GraphDispatcher(stitched.forward, runner, sizes, sym_index=stitched.sym_index, static_inputs=statics,
-                           output_dims=list(plan["output_dims"]), cudagraph_mode=mode, max_num_tokens=config.max_num_tokens,
-                           select_entry=stitched.select_entry, plain=stitched.run_plain, tag=tag)
+    dispatcher = GraphDispatcher(stitched.forward, runner, sizes, sym_index=stitched.sym_index, static_inputs=statics,
+                                 output_dims=list(plan["output_dims"]), cudagraph_mode=mode, max_num_tokens=config.max_num_tokens,
+                                 select_entry=stitched.select_entry, plain=stitched.run_plain, tag=tag)
+    dispatcher.wrappers = list(backend.stitched_wrappers)
+    return dispatcher

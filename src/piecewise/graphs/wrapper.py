@@ -91,6 +91,14 @@ class GraphRunner:
         if self.on_size_failed is not None:
             self.on_size_failed(size)
 
+    def reset(self) -> None:
+        """Forget captured state (the wrappers drop their entries): addresses, failures, pool sizes."""
+        self.failed_sizes.clear()
+        self.out_of_memory = False
+        self.pool_bytes.clear()
+        self.stable_ptrs.clear()
+        self.pool = self.platform.new_pool()
+
     @property
     def total_pool_bytes(self) -> int:
         return sum(self.pool_bytes.values())
@@ -129,7 +137,11 @@ class PieceGraphWrapper:
             return self.runnable(*args)
         if entry.warmups_done < self.runner.num_warmups:
             entry.warmups_done += 1
-            return self.runnable(*args)
+            try:
+                return self.runnable(*args)
+            except Exception as e:
+                raise CaptureError(f"[{self.runner.tag}] {self.name} failed in its warm-up run at size {size}: "
+                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
         return self._capture(entry, args)
 
     def _capture(self, entry: GraphEntry, args: tuple[Any, ...]) -> Any:
