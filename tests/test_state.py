@@ -253,3 +253,14 @@ def test_forward_assigned_the_compiled_model():
     with torch.no_grad():
         torch.testing.assert_close(out, model(ids2))
     assert counters.dynamo_traces == 1 and counters.recompiles == 0
+
+
+def test_forward_hook_added_to_a_submodule_after_compile_is_followed():
+    model = Embedder().eval()
+    cm = _compile(model)
+    ids = torch.randint(0, 100, (5,))
+    cm(ids)
+    model.lin.register_forward_hook(lambda mod, inp, out: out * 0.5)
+    with counters.expect(state_changes=1, recompiles=1):
+        with torch.no_grad():
+            torch.testing.assert_close(cm(ids), model(ids))

@@ -17,9 +17,11 @@ again (`describe`, O(parameters)) and compare the description with the one taken
   ``m.block = nn.Linear(...)``): torch's public global registration hooks;
 * ``Module._apply``, behind ``.to()``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.double()``,
   ``.cuda()``, ``.cpu()``, ``.type()``, ``.to_empty()``, ``.share_memory()``;
-* ``Module.train`` / ``.eval()``.
+* ``Module.train`` / ``.eval()``;
+* forward hooks and pre-hooks registered on any module (``register_forward_hook``,
+  ``register_forward_pre_hook``): the trace inlined the hooks present at the time.
 
-The last two have no hook in torch; a thin wrapper around each is installed on ``nn.Module`` once,
+The last three have no hook in torch; a thin wrapper around each is installed on ``nn.Module`` once,
 when the first model is compiled (`install`). Dynamo special-cases ``Module.__setattr__`` by
 identity, so that method is left alone: a plain (non-tensor, non-module) attribute assigned after
 the first call does not move the epoch (see README "What to know" for the full list).
@@ -64,7 +66,7 @@ def install() -> None:
         nn_module.register_module_parameter_registration_hook(bump)
         nn_module.register_module_buffer_registration_hook(bump)
         nn_module.register_module_module_registration_hook(bump)
-        for name in ("_apply", "train"):
+        for name in ("_apply", "train", "register_forward_hook", "register_forward_pre_hook"):
             original = getattr(torch.nn.Module, name)
             if getattr(original, "__piecewise_bumps__", False):
                 continue
@@ -112,6 +114,7 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
         prefix = f"{name}." if name else ""
         layout[f"{prefix}<class>"] = f"{type(m).__module__}.{type(m).__qualname__}"
         layout[f"{prefix}training"] = m.training
+        layout[f"{prefix}<forward hooks>"] = (len(m._forward_hooks), len(m._forward_pre_hooks))
         for kind in ("_parameters", "_buffers"):
             for pname, p in m.__dict__[kind].items():
                 path = prefix + pname
