@@ -19,14 +19,19 @@ def _decode(forward, model):
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_reference_decoder_greedy_tokens_equal_eager(backend):
+def test_reference_decoder_greedy_tokens_equal_eager(backend, greedy_margin):
     cfg = LlamaConfig(num_layers=3)
-    ref = _decode(LlamaForCausalLM(cfg, seed=3), LlamaForCausalLM(cfg, seed=3))
+    eager = LlamaForCausalLM(cfg, seed=3)
+    ref_forward = greedy_margin(eager)
+    ref = _decode(ref_forward, eager)
     model = LlamaForCausalLM(cfg, seed=3)
     cm = pw.compile(model, CompilationConfig(backend=backend, max_num_tokens=256), dynamic_arg_dims=LLAMA_DIMS)
     with counters.expect(graphs_seen=1, recompiles=0, pieces_seen=7, pieces_compiled=4):
         out = _decode(cm, model)
     assert out.tokens == ref.tokens
+    # compiled logits differ from eager by ~1e-5 (Inductor's kernels, padded sizes): exact token
+    # equality holds on every CPU only because no greedy choice is that close to a tie
+    ref_forward.assert_far_from_ties()
     assert out.step_sizes == ref.step_sizes and len(set(out.step_sizes)) >= 8
 
 

@@ -53,9 +53,10 @@ def test_incremental_decode_matches_one_prefill(model):
     torch.testing.assert_close(torch.cat(pieces), full, rtol=1e-5, atol=1e-5)
 
 
-def test_tokens_do_not_depend_on_batching_or_arrival_order(model):
+def test_tokens_do_not_depend_on_batching_or_arrival_order(model, greedy_margin):
     prompts = make_prompts(5, model.config.vocab_size, seed=5, min_len=2, max_len=12)
-    run = lambda ps, **kw: greedy_decode(model, ps, 6, reset=model.reset_kv_cache, **kw).tokens  # noqa: E731
+    forward = greedy_margin(model)
+    run = lambda ps, **kw: greedy_decode(forward, ps, 6, reset=model.reset_kv_cache, **kw).tokens  # noqa: E731
 
     alone = [run([p])[0] for p in prompts]
     assert len({tuple(t) for t in alone}) == len(prompts)  # distinct outputs: the comparison means something
@@ -64,6 +65,9 @@ def test_tokens_do_not_depend_on_batching_or_arrival_order(model):
     order = [4, 2, 0, 3, 1]
     mixed = run([prompts[i] for i in order], arrival_steps=[3, 0, 5, 1, 1], max_num_seqs=2)
     assert mixed == [alone[i] for i in order]
+    # Logits of different batch sizes differ by ~1e-6 (BLAS blocking): exact token equality holds on
+    # every CPU only because no greedy choice is that close to a tie.
+    forward.assert_far_from_ties()
 
 
 def test_default_trace_varies_step_size(model):
@@ -91,8 +95,16 @@ def test_pad_rows_under_forward_context_leave_cache_untouched(model):
     with set_forward_context(ForwardContext(num_tokens=3, padded_num_tokens=5)):
         padded = _step(model, ids + [9, 9], positions + [0, 4], seq_ids + [0, 1])
     torch.testing.assert_close(padded[:3], expected, rtol=1e-5, atol=1e-5)
+    # The cells the real rows write hold K/V computed in a 3-row and a 5-row call: a 5-row matmul
+    # rounds differently (~1e-6 on some CPUs), so they agree within the dtype's tolerance - which
+    # still catches a pad row's K/V written over cell (slot 0, position 0). Every other cell, the
+    # empty slot's position 4 included, is untouched: exactly equal (zero).
+    written = torch.zeros(expected_caches[0].shape[:2], dtype=torch.bool)
+    written[seq_ids, positions] = True
     for got, want in zip(_caches(model), expected_caches):
-        assert torch.equal(got, want)
+        torch.testing.assert_close(got[written], want[written])
+        assert torch.equal(got[~written], want[~written]) and not got[~written].any()
+        assert not got[1, 4].any()  # the pad row aimed at the empty slot
 
 
 def test_attention_op_zeroes_pad_rows():
@@ -126,7 +138,8 @@ def test_dynamo_traces_fullgraph_with_dynamic_num_tokens():
             want = model(*inputs)
             model.reset_kv_cache()
             got = compiled(*inputs)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # Dynamo's graph run eagerly against the module: another code path, the dtype's tolerance
+        torch.testing.assert_close(got, want)
     torch._dynamo.reset()
 
     assert len(graphs) == 1  # no recompile across sizes
