@@ -30,13 +30,19 @@ the compile target a pass runs for (`PassContext`) and rejects what cannot be ha
 from __future__ import annotations
 
 import abc
+import builtins
 import dataclasses
+import dis
 import enum
 import functools
 import hashlib
 import inspect
+import io
 import json
+import logging
 import os
+import pathlib
+import re
 import textwrap
 import types
 from collections.abc import Callable, Mapping
@@ -175,13 +181,15 @@ class PiecewisePass(abc.ABC):
                 f"pass {self.name!r}: option {e.where} holds {e.what}, which has no stable hash; "
                 "keep state in '_'-prefixed attributes, or override config() to return plain data"
             ) from None
-        return stable_digest(
-            {
-                "class": f"{cls.__module__}.{cls.__qualname__}",
-                "files": [_file_digest(f) for f in files],
-                "options": options,
-            }
-        )
+        data: dict[str, Any] = {
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "files": [_file_digest(f) for f in files],
+            "options": options,
+        }
+        reads = _class_globals(cls, self.name)
+        if reads:  # the files hash the code; the module-level values it reads are hashed here
+            data["globals"] = reads
+        return stable_digest(data)
 
     def __repr__(self) -> str:
         return f"<pass {self.name}>"
@@ -339,18 +347,40 @@ class _Unstable(Exception):
     def __init__(self, where: str, what: str) -> None:
         super().__init__(where)
         self.where, self.what = where, what
+        # set when the value is (inside) a module-level value read by a function's code
+        self.global_name: str | None = None
+        self.reader: str | None = None
 
 
 def _stable(v: Any, where: str, seen: frozenset[int] = frozenset()) -> Any:
-    """Plain JSON data that identifies `v` across processes, or `_Unstable`."""
+    """Plain JSON data that identifies `v` across processes, or `_Unstable`.
+
+    Canonical: sets, and mappings, are sorted by the canonical JSON of their (keys') descriptions,
+    so neither insertion order nor ``PYTHONHASHSEED`` changes the result."""
     if v is None or isinstance(v, (bool, int, str)):
         return v
     if isinstance(v, float):
         return {"float": repr(v)}
-    if isinstance(v, bytes):
-        return {"bytes": hashlib.sha256(v).hexdigest()}
+    if isinstance(v, complex):
+        return {"complex": repr(v)}
+    if isinstance(v, (bytes, bytearray)):
+        return {"bytes": hashlib.sha256(bytes(v)).hexdigest()}
     if isinstance(v, enum.Enum):
         return {"enum": f"{type(v).__module__}.{type(v).__qualname__}.{v.name}"}
+    if isinstance(v, range):
+        return {"range": [v.start, v.stop, v.step]}
+    if isinstance(v, re.Pattern):
+        return {"regex": _stable(v.pattern, where, seen), "flags": v.flags}
+    if isinstance(v, pathlib.PurePath):
+        return {"path": str(v)}
+    if isinstance(v, (logging.Logger, logging.LoggerAdapter)):  # output only: never changes a graph
+        return {"logger": getattr(v, "name", None) or getattr(getattr(v, "logger", None), "name", None)}
+    if isinstance(v, io.IOBase):  # sys.stderr and the like: output only
+        return {"stream": f"{type(v).__module__}.{type(v).__qualname__}"}
+    if isinstance(v, (tuple, list, set, frozenset, Mapping)) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
+        if id(v) in seen:
+            raise _Unstable(where, f"a {type(v).__qualname__} that contains itself")
+        seen = seen | {id(v)}
     if isinstance(v, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
         return {"torch": str(v)}
     if isinstance(v, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
@@ -358,6 +388,9 @@ def _stable(v: Any, where: str, seen: frozenset[int] = frozenset()) -> Any:
     if isinstance(getattr(v, "_opoverload", None), torch._ops.OpOverload):  # torch.library CustomOpDef
         return {"op": str(v._opoverload)}
     if isinstance(v, (tuple, list)):
+        if hasattr(v, "_fields") and type(v).__module__ not in ("builtins", "torch"):  # a namedtuple
+            return {"namedtuple": f"{type(v).__module__}.{type(v).__qualname__}",
+                    "fields": {f: _stable(x, f"{where}.{f}", seen) for f, x in zip(v._fields, v)}}
         return {type(v).__name__: [_stable(x, f"{where}[{i}]", seen) for i, x in enumerate(v)]}
     if isinstance(v, (set, frozenset)):
         items = [_stable(x, f"{where}{{}}", seen) for x in v]
@@ -368,23 +401,103 @@ def _stable(v: Any, where: str, seen: frozenset[int] = frozenset()) -> Any:
     if isinstance(v, PiecewisePass):
         return {"pass": v.uuid()}
     if isinstance(v, type):
-        return {"class": f"{v.__module__}.{v.__qualname__}"}
+        return _class_fingerprint(v)
     if isinstance(v, types.ModuleType):
-        return {"module": v.__name__}
+        return {"module": getattr(v, "__name__", type(v).__qualname__)}
     if isinstance(v, (types.FunctionType, functools.partial)):
-        return {"function": _function_fingerprint(v, where, seen)}
-    if isinstance(v, (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)):
+        return {"function": _describe_function(v, where, seen)}
+    if isinstance(v, (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
+                      types.MethodDescriptorType, types.ClassMethodDescriptorType)):
         return {"builtin": f"{getattr(v, '__module__', None)}.{v.__qualname__}"}
-    if dataclasses.is_dataclass(v) and getattr(type(v), "__dataclass_params__").frozen:
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
         fields = {f.name: _stable(getattr(v, f.name), f"{where}.{f.name}", seen) for f in dataclasses.fields(v)}
         return {"dataclass": f"{type(v).__module__}.{type(v).__qualname__}", "fields": fields}
+    members = getattr(type(v), "__members__", None)  # a pybind11 enum (torch.Tag, ...)
+    if isinstance(members, Mapping) and isinstance(getattr(v, "name", None), str) and members.get(v.name) is v:
+        return {"enum": f"{type(v).__module__}.{type(v).__qualname__}.{v.name}"}
+    if callable(v) and hasattr(v, "__wrapped__"):  # functools.lru_cache and other wrappers of a function
+        try:
+            inner = inspect.unwrap(v)
+        except ValueError:
+            inner = v
+        if isinstance(inner, types.FunctionType):
+            return {"wrapper": f"{type(v).__module__}.{type(v).__qualname__}", "wrapped": _stable(inner, where, seen)}
     raise _Unstable(where, f"a {type(v).__module__}.{type(v).__qualname__}")
+
+
+def _class_fingerprint(cls: type) -> Any:
+    """A class by name; a class of user code (see `_is_library_file`) also by its source, so a
+    pass that uses a helper class sees edits to it."""
+    out: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}"}
+    module = inspect.getmodule(cls)
+    if module is not None and not _is_library_file(getattr(module, "__file__", None)):
+        try:
+            out["source"] = textwrap.dedent(inspect.getsource(cls))
+        except (OSError, TypeError):
+            pass  # a class without readable source is still named
+    return out
+
+
+def _describe_function(fn: Any, where: str, seen: frozenset[int]) -> Any:
+    """A function of library code by name (its package's version stands for it); any other by
+    `_function_fingerprint` (source, code, defaults, closure and the module-level values it
+    reads). A decorated function (``functools.wraps``) also describes what it wraps."""
+    if isinstance(fn, functools.partial):
+        return _function_fingerprint(fn, where, seen)
+    try:
+        inner = inspect.unwrap(fn)
+    except ValueError:
+        inner = fn
+    if inner is not fn:
+        return {"wrapper": _describe_function(_strip_wrapped(fn), where, seen), "wrapped": _stable(inner, where, seen)}
+    if _is_library_file(fn.__code__.co_filename):
+        return {"library": f"{fn.__module__}.{fn.__qualname__}"}
+    return _function_fingerprint(fn, where, seen)
+
+
+def _strip_wrapped(fn: types.FunctionType) -> types.FunctionType:
+    """`fn` without its ``__wrapped__`` (a copy), so the wrapper's own code can be described."""
+    bare = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    bare.__kwdefaults__ = fn.__kwdefaults__
+    bare.__qualname__ = fn.__qualname__
+    bare.__module__ = fn.__module__
+    return bare
+
+
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[str, ...]:
+    """Directories of code versioned by its package: the standard library, site-packages, and
+    piecewise itself (its version is a key factor)."""
+    import site
+    import sysconfig
+
+    roots = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    try:
+        roots.update(site.getsitepackages())
+    except AttributeError:  # some virtualenv versions
+        pass
+    try:
+        roots.add(site.getusersitepackages())
+    except AttributeError:
+        pass
+    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../piecewise
+    return tuple(sorted(os.path.realpath(r) + os.sep for r in roots if r))
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library_file(path: str | None) -> bool:
+    if not path:
+        return True  # a built-in module
+    if path.startswith("<"):
+        return path.startswith("<frozen ")  # frozen stdlib modules; "<string>" is user code
+    real = os.path.realpath(path)
+    return any(real.startswith(r) for r in _library_roots())
 
 
 def _function_fingerprint(fn: Any, where: str, seen: frozenset[int]) -> Any:
     if isinstance(fn, functools.partial):
         return {
-            "partial": _function_fingerprint(fn.func, where, seen) if isinstance(fn.func, (types.FunctionType, functools.partial)) else _stable(fn.func, where, seen),
+            "partial": _describe_function(fn.func, where, seen) if isinstance(fn.func, (types.FunctionType, functools.partial)) else _stable(fn.func, where, seen),
             "args": _stable(fn.args, f"{where} partial args", seen),
             "keywords": _stable(fn.keywords, f"{where} partial keywords", seen),
         }
@@ -404,20 +517,6 @@ def _function_fingerprint(fn: Any, where: str, seen: frozenset[int]) -> Any:
         except ValueError:  # an empty cell (a name assigned after the function was made)
             value = None
         closure[name] = _stable(value, f"variable {name!r} closed over by {fn.__qualname__}", seen)
-    referenced = {}
-    for name in sorted(_global_names(code)):
-        if name not in fn.__globals__:
-            continue
-        value = fn.__globals__[name]
-        if isinstance(value, types.FunctionType) and value.__module__ != fn.__module__:
-            continue  # library code: versioned by its package, not by this pass
-        if isinstance(value, types.FunctionType):
-            referenced[name] = _stable(value, f"global {name!r} used by {fn.__qualname__}", seen)
-        elif isinstance(value, (bool, int, float, str, bytes, tuple, frozenset, enum.Enum)):
-            try:  # module-level constants; other module state is not an option of the pass
-                referenced[name] = _stable(value, name, seen)
-            except _Unstable:
-                pass
     return {
         "qualname": qual,
         "source": source,
@@ -425,8 +524,90 @@ def _function_fingerprint(fn: Any, where: str, seen: frozenset[int]) -> Any:
         "defaults": _stable(fn.__defaults__, f"defaults of {fn.__qualname__}", seen),
         "kwdefaults": _stable(fn.__kwdefaults__, f"keyword defaults of {fn.__qualname__}", seen),
         "closure": closure,
-        "globals": referenced,
+        "globals": _globals_read_by(fn, seen),
     }
+
+
+def _globals_read_by(fn: types.FunctionType, seen: frozenset[int]) -> dict[str, Any]:
+    """``{name: description}`` of every module-level value `fn`'s code reads (nested functions and
+    comprehensions included; module dunders such as ``__file__`` excluded), by `_stable`: plain
+    data and containers of it at any depth, enums,
+    dataclass instances, ops, classes, and functions (same-module and other user code walked
+    recursively, library code by name). An attribute read through a module or a user class
+    (``cfg.OPTION``, ``Options.scale``) is followed to the value read. Builtins are skipped; a
+    name that is not defined (yet) is recorded as absent.
+
+    Raises:
+        _Unstable: a value read has no deterministic description (an arbitrary object, a tensor).
+        _NoSource: a function of user code it calls has no readable source.
+    """
+    out: dict[str, Any] = {}
+    for chain in sorted(_global_reads(fn.__code__)):
+        name = chain[0]
+        if name.startswith("__") and name.endswith("__"):
+            continue  # module metadata (__file__ is a path: the same code elsewhere must hit)
+        if name not in fn.__globals__:
+            if not hasattr(builtins, name):
+                out[name] = {"absent": True}
+            continue
+        value, label = fn.__globals__[name], name
+        for attr in chain[1:]:
+            if not (isinstance(value, types.ModuleType)
+                    or (isinstance(value, type) and not _is_library_file(getattr(inspect.getmodule(value), "__file__", None)))):
+                break
+            try:
+                value = getattr(value, attr)
+            except Exception:  # noqa: BLE001 - not defined (yet): the pass would fail the same way
+                value = _ABSENT
+            label = f"{label}.{attr}"
+            if value is _ABSENT:
+                break
+        if label in out:
+            continue
+        if value is _ABSENT:
+            out[label] = {"absent": True}
+            continue
+        try:
+            out[label] = _stable(value, label, seen)
+        except _Unstable as e:
+            if e.global_name is None:  # the innermost reader names it (a helper's global)
+                e.global_name, e.reader = label, fn.__qualname__
+            raise
+    return out
+
+
+_ABSENT = object()
+
+
+_CHAIN_SKIP = frozenset({"EXTENDED_ARG", "NOP", "CACHE"})
+
+
+def _global_reads(code: types.CodeType) -> set[tuple[str, ...]]:
+    """Every ``LOAD_GLOBAL name`` in `code` and the code nested in it, each with the attribute
+    names loaded right after it (``cfg.OPTION.x`` gives ``("cfg", "OPTION", "x")``)."""
+    out: set[tuple[str, ...]] = set()
+    for c in _code_objects(code):
+        chain: list[str] | None = None
+        for ins in dis.get_instructions(c):
+            if ins.opname in _CHAIN_SKIP:
+                continue
+            if chain is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(ins.argval, str):
+                chain.append(ins.argval)
+                continue
+            if chain:
+                out.add(tuple(chain))
+            chain = [ins.argval] if ins.opname == "LOAD_GLOBAL" and isinstance(ins.argval, str) else None
+        if chain:
+            out.add(tuple(chain))
+    return out
+
+
+def _code_objects(code: types.CodeType) -> list[types.CodeType]:
+    out = [code]
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out += _code_objects(c)
+    return out
 
 
 class _NoSource(Exception):
@@ -448,6 +629,8 @@ def _callable_fingerprint(fn: Any, pass_name: str) -> Any:
             f"another pass; {_FIX}"
         ) from None
     except _Unstable as e:
+        if e.global_name is not None:
+            raise _global_error(pass_name, e) from None
         raise ConfigError(
             f"pass {pass_name!r}: {e.where} holds {e.what}, which has no stable hash; pass plain data "
             "(numbers, strings, tuples, dtypes) or subclass piecewise.passes.PiecewisePass and return "
@@ -455,12 +638,15 @@ def _callable_fingerprint(fn: Any, pass_name: str) -> Any:
         ) from None
 
 
-def _global_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _global_names(c)
-    return names
+def _global_error(pass_name: str, e: _Unstable) -> ConfigError:
+    inner = "" if e.where == e.global_name else f" holds at {e.where}"
+    return ConfigError(
+        f"pass {pass_name!r}: module-level {e.global_name!r} read by {e.reader}{inner} {'' if inner else 'is '}{e.what}, which the "
+        "pass uuid cannot describe deterministically, so the compile cache could serve code built with "
+        "another value of it; make it plain data (numbers, strings, containers of them, enums, dataclasses), "
+        "or subclass piecewise.passes.PiecewisePass and take the value as an option returned by config(), "
+        "or give the pass a uuid() method that covers it"
+    )
 
 
 def _code_digest(code: types.CodeType) -> str:
@@ -522,6 +708,37 @@ def _class_source_files(cls: type) -> list[str]:
             if path not in files:
                 files.append(path)
     return files
+
+
+def _class_globals(cls: type, pass_name: str) -> dict[str, Any]:
+    """The module-level values read by the methods of `cls` and its bases below `PiecewisePass`
+    (see `_globals_read_by`); classes of library code (piecewise's own passes) are skipped.
+
+    Raises:
+        ConfigError: a value read has no deterministic description, or a user-code function a
+            method calls has no readable source.
+    """
+    out: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        if klass is PiecewisePass or not issubclass(klass, PiecewisePass):
+            continue
+        for attr_name, attr in sorted(vars(klass).items()):
+            for f in _functions_of(attr):
+                if _is_library_file(f.__code__.co_filename):
+                    continue
+                try:
+                    reads = _globals_read_by(f, frozenset({id(f)}))
+                except _Unstable as e:
+                    raise _global_error(pass_name, e) from None
+                except _NoSource as e:
+                    raise ConfigError(
+                        f"pass {pass_name!r}: {klass.__qualname__}.{attr_name} calls "
+                        f"{getattr(e.fn, '__qualname__', e.fn)!r}, whose source cannot be read ({e.reason}), so "
+                        f"no stable uuid exists; {_FIX}"
+                    ) from None
+                if reads:
+                    out[f"{klass.__qualname__}.{attr_name}"] = reads
+    return out
 
 
 def _functions_of(attr: Any) -> list[types.FunctionType]:
