@@ -13,13 +13,21 @@ How a uuid is computed (never by pickling anything):
   lists in `PiecewisePass.source_files`, plus the class name and its options
   (`PiecewisePass.config`). File granularity follows Inductor's advice for `CustomGraphPass.uuid`
   (``get_hash_for_files``): helpers in the pass's own module are covered without listing them.
-  The files' paths are not hashed, so the same code checked out elsewhere hits.
+  The files' paths are not hashed, so the same code checked out elsewhere hits. The files cover
+  the code, not the module-level values it reads: those are hashed as for functions (below).
 * plain function or lambda (`FunctionPass`): its source text (``inspect.getsource``), a digest of
   its code object (two lambdas on one line differ; bytecode ties it to the Python version), its
-  defaults, its closure values, and the module-level constants and same-module helper functions it
-  names, recursively. Defaults and closure values must be plain data (numbers, strings, tuples,
-  dicts, dtypes, ops, functions, ...): anything else is rejected. Other module-level objects
-  (modules, classes, library functions) are identified by name only.
+  defaults, its closure values, and every module-level value its code reads (``LOAD_GLOBAL``,
+  followed through modules and user classes: ``cfg.OPTION``), recursively through the helper
+  functions it calls. Values are described canonically (sets and non-str-keyed dicts sorted, so
+  ``PYTHONHASHSEED`` does not matter): numbers, strings, containers of any depth, enums,
+  dataclass instances, dtypes, ops, classes (by name; a user class also by source), functions of
+  user code in any module (walked the same way), library functions (stdlib, site-packages,
+  piecewise: by name, their package's version stands for them), loggers and streams (output
+  only). Anything else (an arbitrary object, a tensor, a function whose source cannot be read) is
+  rejected with a `ConfigError` naming the pass, the value and its type: the compile cache could
+  otherwise serve code built with another value. Values are read when the pass is built (when
+  the `CompilationConfig` is made) for functions, at each ``uuid()`` for `PiecewisePass` objects.
 * Inductor `CustomGraphPass` object (`InductorPass`): its own ``uuid()``.
 
 Where the design comes from: Inductor's `CustomGraphPass` contract (a uuid per pass, part of the FX
