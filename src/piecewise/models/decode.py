@@ -1,10 +1,13 @@
 """Greedy decoding with continuous batching: the batch a model sees changes size every step.
 
 Requests arrive at given steps and wait for a free sequence slot. A request's first step feeds its
-whole prompt (prefill); every later step feeds its last generated token (decode). Prefills and
+whole prompt (prefill; in chunks over several steps under a `max_num_tokens` budget); every later
+step feeds its last generated token (decode). Prefills and
 decodes of all running requests are flattened into one call of
 ``forward(input_ids, positions, seq_ids)``, so step sizes vary the way a serving engine's do. A
-request that has generated `max_new_tokens` frees its slot for the next waiting one.
+request that has generated its `max_new_tokens`, or an end-of-sequence token, frees its slot for
+the next waiting one. Greedy tokens equal transformers' ``generate(do_sample=False)`` for each
+prompt alone (the end-of-sequence token included, as `generate` returns it).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import dataclasses
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -32,11 +36,14 @@ class DecodeResult:
         tokens: generated ids per request, in the order the prompts were given.
         step_sizes: `num_tokens` of each forward call, in call order.
         step_seconds: wall time of each call in seconds, including the argmax that waits for it.
+        stop_reasons: per request, ``"eos"`` (it generated one of `eos_token_ids`, kept as its last
+            token) or ``"length"`` (it generated its `max_new_tokens`).
     """
 
     tokens: list[list[int]]
     step_sizes: list[int]
     step_seconds: list[float]
+    stop_reasons: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +62,7 @@ class _Request:
     pending: list[int]  # tokens to feed at the next step
     next_position: int  # position of pending[0]
     generated: list[int]
+    max_new_tokens: int
 
 
 def make_prompts(n: int, vocab_size: int, seed: int = 0, min_len: int = 2, max_len: int = 16) -> list[list[int]]:
@@ -79,13 +87,16 @@ def default_trace(vocab_size: int = 256, seed: int = 0) -> DecodeTrace:
 def greedy_decode(
     forward: Forward,
     prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     *,
     arrival_steps: Sequence[int] | None = None,
-    max_num_seqs: int = 8,
+    max_num_seqs: int | None = None,
     max_seq_len: int | None = None,
     device: torch.device | str = "cpu",
     reset: Callable[[], None] | None = None,
+    eos_token_ids: Iterable[int] = (),
+    config: Any = None,
+    max_num_tokens: int | None = None,
 ) -> DecodeResult:
     """Decode every prompt greedily, batching requests continuously.
 
@@ -93,33 +104,65 @@ def greedy_decode(
         forward: ``forward(input_ids, positions, seq_ids) -> logits``, all inputs [num_tokens]
             int64 on `device`, logits [num_tokens, vocab_size]; an eager or compiled model.
         prompts: token ids per request, each non-empty.
-        max_new_tokens: tokens to generate per request (>= 1).
+        max_new_tokens: tokens to generate per request (>= 1): one number for all, or one each.
         arrival_steps: the step at which each request may start (default ``2 * i``: staggered).
-            Waiting requests take free slots in arrival order; when nothing runs, the clock jumps
-            to the next arrival rather than calling `forward` with no tokens.
-        max_num_seqs: number of sequence slots; must not exceed the model's.
-        max_seq_len: if given, requests needing positions beyond it are rejected up front.
+            Waiting requests take free slots in arrival order (more requests than slots queue);
+            when nothing runs, the clock jumps to the next arrival rather than calling `forward`
+            with no tokens.
+        max_num_seqs: number of sequence slots (default: `config`'s, else 8); must not exceed the
+            model's.
+        max_seq_len: requests needing positions beyond it are rejected up front (default:
+            `config`'s, else unchecked).
         device: where the step inputs are built.
         reset: called once before the first step, e.g. ``model.reset_kv_cache``. Optional: a run
             only reads KV entries it wrote, so stale cache contents do not change its tokens.
+        eos_token_ids: a request that generates one of these stops (the token is kept), e.g.
+            ``model.eos_token_ids`` of a model built by `LlamaForCausalLM.from_hf`.
+        config: the model's `LlamaConfig` (or anything with `max_num_seqs` and `max_seq_len`):
+            its KV-cache limits become the defaults and bounds above, checked before the first
+            step, so a request that cannot fit fails before anything is compiled.
+        max_num_tokens: the most tokens one step may feed (a compiled model's
+            `CompilationConfig.max_num_tokens`). Requests are fed in admission order until it is
+            spent; a prefill that does not fit is fed in chunks over several steps (chunked
+            prefill), and a request generates once its whole prompt is in the cache. Default:
+            no limit.
 
     Raises:
-        InputError: empty prompts, mismatched `arrival_steps`, or a request too long for
-            `max_seq_len`.
+        InputError: empty prompts, mismatched `arrival_steps` or `max_new_tokens`, more slots than
+            the model has, or a request too long for `max_seq_len` (naming the request, the
+            limit and the config field).
     """
-    if max_new_tokens < 1:
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != len(prompts):
+        raise InputError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts; give one per prompt")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in limits):
         raise InputError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if any(len(p) == 0 for p in prompts):
         raise InputError("every prompt needs at least one token; drop empty prompts")
     arrivals = list(arrival_steps) if arrival_steps is not None else [2 * i for i in range(len(prompts))]
     if len(arrivals) != len(prompts):
         raise InputError(f"arrival_steps has {len(arrivals)} entries for {len(prompts)} prompts; give one per prompt")
+    where = "the max_seq_len argument"
+    if config is not None:
+        name = type(config).__name__
+        if max_num_seqs is not None and max_num_seqs > config.max_num_seqs:
+            raise InputError(f"max_num_seqs={max_num_seqs} exceeds the model's {config.max_num_seqs} sequence slots "
+                             f"({name}.max_num_seqs); more requests than slots simply queue")
+        if max_seq_len is None or max_seq_len >= config.max_seq_len:
+            max_seq_len, where = config.max_seq_len, f"{name}.max_seq_len, the KV cache's positions per sequence"
+    max_num_seqs = max_num_seqs if max_num_seqs is not None else config.max_num_seqs if config is not None else 8
     if max_seq_len is not None:
         # The last generated token is never fed back, so a request needs len(prompt) + max_new_tokens - 1 positions.
-        longest = max((len(p) for p in prompts), default=0) + max_new_tokens - 1
-        if longest > max_seq_len:
-            raise InputError(f"a request needs {longest} positions but max_seq_len={max_seq_len}; "
-                             "shorten prompts or max_new_tokens")
+        for i, (p, n) in enumerate(zip(prompts, limits)):
+            if len(p) + n - 1 > max_seq_len:
+                raise InputError(
+                    f"request {i} needs {len(p) + n - 1} positions (a prompt of {len(p)} tokens + max_new_tokens={n} "
+                    f"- 1) but max_seq_len={max_seq_len} ({where}); shorten the prompt or max_new_tokens, or build "
+                    "the model with a larger max_seq_len")
+    if max_num_tokens is not None and (isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int)
+                                       or max_num_tokens < 1):
+        raise InputError(f"max_num_tokens={max_num_tokens!r} must be a positive integer")
+    eos = frozenset(int(t) for t in eos_token_ids)
 
     if reset is not None:
         reset()
@@ -127,17 +170,18 @@ def greedy_decode(
     free_slots = list(range(max_num_seqs))
     running: list[_Request] = []
     tokens: list[list[int]] = [[] for _ in prompts]
-    result = DecodeResult(tokens, [], [])
+    result = DecodeResult(tokens, [], [], [""] * len(prompts))
     step = 0
     while waiting or running:
         if not running and arrivals[waiting[0]] > step:
             step = arrivals[waiting[0]]
         while waiting and free_slots and arrivals[waiting[0]] <= step:
             i = waiting.popleft()
-            running.append(_Request(i, free_slots.pop(0), list(prompts[i]), 0, tokens[i]))
-        _run_step(forward, running, device, result)
-        finished = [r for r in running if len(r.generated) == max_new_tokens]
-        for r in finished:
+            running.append(_Request(i, free_slots.pop(0), list(prompts[i]), 0, tokens[i], limits[i]))
+        for r in _run_step(forward, running, device, result, max_num_tokens):
+            if r.generated[-1] not in eos and len(r.generated) < r.max_new_tokens:
+                continue
+            result.stop_reasons[r.index] = "eos" if r.generated[-1] in eos else "length"
             free_slots.append(r.slot)
             running.remove(r)
         free_slots.sort()  # reuse low slots first, so runs are reproducible regardless of finish order
@@ -145,14 +189,22 @@ def greedy_decode(
     return result
 
 
-def _run_step(forward: Forward, running: list[_Request], device: torch.device | str, result: DecodeResult) -> None:
-    """Feed every running request's pending tokens as one flattened batch and append one token each."""
-    ids, positions, seq_ids, last_rows = [], [], [], []
+def _run_step(forward: Forward, running: list[_Request], device: torch.device | str, result: DecodeResult,
+              budget: int | None) -> list[_Request]:
+    """Feed running requests' pending tokens as one flattened batch, at most `budget` tokens in
+    admission order, and append one token to each request fed all of its pending tokens; returns those."""
+    ids, positions, seq_ids, last_rows, fed = [], [], [], [], []
+    left = budget if budget is not None else sum(len(r.pending) for r in running)
     for r in running:
-        ids += r.pending
-        positions += range(r.next_position, r.next_position + len(r.pending))
-        seq_ids += [r.slot] * len(r.pending)
+        take = min(len(r.pending), left)
+        if take == 0:
+            continue
+        left -= take
+        ids += r.pending[:take]
+        positions += range(r.next_position, r.next_position + take)
+        seq_ids += [r.slot] * take
         last_rows.append(len(ids) - 1)
+        fed.append((r, take))
     def as_tensor(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.int64, device=device)
 
@@ -164,7 +216,12 @@ def _run_step(forward: Forward, running: list[_Request], device: torch.device | 
         next_ids = logits[rows].argmax(dim=-1).tolist()  # .tolist() waits for the device
     result.step_seconds.append(time.perf_counter() - start)
     result.step_sizes.append(len(ids))
-    for r, token in zip(running, next_ids):
-        r.next_position += len(r.pending)
-        r.pending = [token]
-        r.generated.append(token)
+    generated = []
+    for (r, take), token in zip(fed, next_ids):
+        r.next_position += take
+        r.pending = r.pending[take:]
+        if not r.pending:  # else a chunk of a longer prefill: its last row predicts nothing yet
+            r.pending = [token]
+            r.generated.append(token)
+            generated.append(r)
+    return generated

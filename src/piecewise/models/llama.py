@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,9 +23,13 @@ from ..errors import ConfigError
 from ..forward_context import forward_context
 from ..ops import splitting_op
 
-__all__ = ["LLAMA_ATTENTION_OP", "LlamaConfig", "LlamaForCausalLM", "llama_attention"]
+__all__ = ["LLAMA_ATTENTION_OP", "ROPE_TYPES", "SUPPORTED_HF_MODEL_TYPES", "LlamaConfig", "LlamaForCausalLM",
+           "llama_attention"]
 
 LLAMA_ATTENTION_OP = "piecewise_models::llama_attention"
+
+#: Rotary embedding variants the reference decoder computes (transformers' ``rope_type`` names).
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +55,17 @@ class LlamaConfig:
     max_num_seqs: int = 8
     max_seq_len: int = 128
     dtype: torch.dtype = torch.float32
+    # Variants of the Llama family (what `LlamaForCausalLM.from_hf` maps); the defaults are plain Llama.
+    qkv_bias: bool = False  # biases on q/k/v projections (Qwen2; Llama's attention_bias sets it with o_bias)
+    o_bias: bool = False  # bias on the attention output projection
+    mlp_bias: bool = False  # biases on gate/up/down projections
+    qk_norm: bool = False  # per-head RMSNorm of q and k before the rotary embedding (Qwen3)
+    tie_word_embeddings: bool = False  # lm_head shares embed_tokens' weight
+    rope_type: str = "default"  # one of ROPE_TYPES: "default", "linear" or "llama3" (Llama 3.1 scaling)
+    rope_factor: float = 1.0  # "linear" and "llama3": frequencies divided by it (long wavelengths, llama3)
+    rope_low_freq_factor: float = 1.0  # "llama3" only
+    rope_high_freq_factor: float = 4.0  # "llama3" only
+    rope_original_max_position: int = 8192  # "llama3" only: the pretraining context length
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -70,6 +86,23 @@ class LlamaConfig:
                 raise ConfigError(f"LlamaConfig.{name}={value!r} must be a positive number")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ConfigError(f"LlamaConfig.dtype={self.dtype!r} must be a floating torch.dtype, e.g. torch.float32")
+        for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"LlamaConfig.{name}={getattr(self, name)!r} must be True or False")
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"LlamaConfig.rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"LlamaConfig.{name}={value!r} must be a positive number")
+        value = self.rope_original_max_position
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"LlamaConfig.rope_original_max_position={value!r} must be a positive integer")
+        if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ConfigError(
+                f"LlamaConfig.rope_high_freq_factor={self.rope_high_freq_factor!r} must exceed "
+                f"rope_low_freq_factor={self.rope_low_freq_factor!r} for rope_type='llama3'"
+            )
 
 
 @splitting_op(LLAMA_ATTENTION_OP, mutates_args=("k_cache", "v_cache"))
@@ -168,17 +201,60 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each [num_tokens, head_dim] float32.
+def rotary_inv_freq(
+    head_dim: int,
+    theta: float,
+    device: torch.device | str | None = None,
+    *,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+) -> torch.Tensor:
+    """Inverse rotary frequencies, [head_dim / 2] float32, computed as transformers computes them
+    for `rope_type` (same float32 operations in the same order, so the values are bit-equal):
+    ``"default"``, ``"linear"`` (divided by `factor`) or ``"llama3"`` (Llama 3.1: long wavelengths
+    divided by `factor`, short ones kept, a smooth blend in between)."""
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if rope_type == "linear":
+        inv_freq = inv_freq / factor
+    elif rope_type == "llama3":
+        low_freq_wavelen = original_max_position / low_freq_factor
+        high_freq_wavelen = original_max_position / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif rope_type != "default":
+        raise ConfigError(f"rope_type={rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    return inv_freq
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, **scaling: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each [num_tokens, head_dim] float32; `scaling` as in
+    `rotary_inv_freq`.
 
     The frequencies are rebuilt from constants on every call rather than kept in a buffer, so
     casting the model with ``.to(torch.bfloat16)`` cannot round them; Dynamo folds them anyway.
     """
-    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponent)  # [head_dim / 2]
+    inv_freq = rotary_inv_freq(head_dim, theta, positions.device, **scaling)  # [head_dim / 2]
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
+
+
+def _rope_scaling(c: LlamaConfig) -> dict[str, Any]:
+    """`rotary_inv_freq` keywords for `c` (none for the default rotary embedding)."""
+    if c.rope_type == "default":
+        return {}
+    return dict(rope_type=c.rope_type, factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
+                high_freq_factor=c.rope_high_freq_factor, original_max_position=c.rope_original_max_position)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -201,18 +277,24 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         cache_shape = (c.max_num_seqs + 1, c.max_seq_len, c.num_kv_heads, c.head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=c.dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=c.dtype), persistent=False)
 
     def forward(self, x, cos, sin, positions, seq_ids):
         c = self.config
-        q = apply_rotary(self.q_proj(x).view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
         out = llama_attention(q, k, v, self.k_cache, self.v_cache, positions, seq_ids, c.head_dim**-0.5)
         return self.o_proj(out.reshape(-1, c.num_heads * c.head_dim))
@@ -223,9 +305,10 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -250,22 +333,29 @@ class LlamaForCausalLM(nn.Module):
     """Llama decoder over flattened tokens with a static per-layer KV cache.
 
     ``LlamaForCausalLM(config, seed=0)`` builds the same weights for the same seed on any machine
-    (drawn on the CPU in float32, then cast to `config.dtype`). Move it with ``.to(device)``; build
-    another dtype through the config rather than ``.to(dtype)`` so the KV caches match.
+    (drawn on the CPU in float32, then cast to `config.dtype`); ``seed=None`` leaves PyTorch's
+    default initialisation, for weights loaded afterwards. `from_hf` copies a transformers
+    checkpoint instead. Move it with ``.to(device)``; build another dtype through the config rather
+    than ``.to(dtype)`` so the KV caches match.
 
     Calls mutate the KV caches: one call per decoding step, and `reset_kv_cache` between
     unrelated runs if stale entries matter to you (greedy decoding never reads a position it has
     not written in the same run).
     """
 
-    def __init__(self, config: LlamaConfig | None = None, *, seed: int = 0) -> None:
+    def __init__(self, config: LlamaConfig | None = None, *, seed: int | None = 0) -> None:
         super().__init__()
         self.config = config = config if config is not None else LlamaConfig()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._init_weights(seed)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        #: Token ids that end a request in the decode loop (`from_hf` takes them from the checkpoint).
+        self.eos_token_ids: tuple[int, ...] = ()
+        if seed is not None:
+            self._init_weights(seed)
         self.to(config.dtype)
 
     @torch.no_grad()
@@ -278,6 +368,9 @@ class LlamaForCausalLM(nn.Module):
         for name, param in sorted(self.named_parameters()):
             if name.endswith("norm.weight"):
                 continue  # norms start at one
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+                continue
             if name == "embed_tokens.weight":
                 std = 1.0
             elif name == "lm_head.weight":
@@ -287,6 +380,58 @@ class LlamaForCausalLM(nn.Module):
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     std *= depth_scale
             param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+    @classmethod
+    @torch.no_grad()
+    def from_hf(
+        cls,
+        hf_model: nn.Module,
+        *,
+        max_num_seqs: int = 8,
+        max_seq_len: int = 512,
+        dtype: torch.dtype | None = None,
+    ) -> LlamaForCausalLM:
+        """The reference decoder with the weights of a transformers Llama-architecture decoder.
+
+        Accepts a ``*ForCausalLM`` of model type llama, mistral, qwen2 or qwen3 (`SUPPORTED_HF_MODEL_TYPES`):
+        grouped-query attention, `head_dim` from the config, q/k/v/o and MLP biases where the
+        checkpoint has them, per-head q/k norms (Qwen3), tied or untied embeddings (tied stay tied:
+        `lm_head` shares `embed_tokens`' weight), RMSNorm epsilon, rope theta and rope scaling of
+        type default, linear or llama3. Weights are copied (the HF model is left untouched) onto
+        the HF model's device in `dtype` (default: the HF model's); `eos_token_ids` comes from the
+        generation config (else the model config) for the decode loop.
+
+        Args:
+            max_num_seqs, max_seq_len: size of the static KV cache (`LlamaConfig`).
+
+        Raises:
+            ConfigError: another architecture (named, with what is supported), a model without an
+                LM head, an activation other than SiLU, a rope type not in `ROPE_TYPES`, partial
+                rotary, a sliding window shorter than `max_seq_len`, or weights that do not map
+                one to one. Raised before anything is built or compiled.
+        """
+        config, tied = _config_from_hf(hf_model, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, dtype=dtype)
+        device = next(hf_model.parameters()).device
+        with torch.device("meta"):
+            model = cls(config, seed=None)
+        ours = model.state_dict(keep_vars=True)
+        theirs = {_hf_param_name(k): v for k, v in hf_model.state_dict().items()}
+        missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+        mismatched = sorted(k for k in set(ours) & set(theirs) if ours[k].shape != theirs[k].shape)
+        if missing or unexpected or mismatched:
+            raise ConfigError(
+                f"from_hf: the weights of {type(hf_model).__name__} do not map onto the reference decoder "
+                f"(missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatch {mismatched[:5]}); "
+                f"supported model types: {', '.join(SUPPORTED_HF_MODEL_TYPES)}"
+            )
+        model.to_empty(device=device)
+        if tied:  # to_empty makes new tensors per module: tie again
+            model.lm_head.weight = model.embed_tokens.weight
+        for name, param in model.state_dict(keep_vars=True).items():
+            param.copy_(theirs[name])
+        model.reset_kv_cache()  # to_empty left the caches uninitialised
+        model.eos_token_ids = _hf_eos_token_ids(hf_model)
+        return model.eval()
 
     def reset_kv_cache(self) -> None:
         """Zero every layer's KV cache in place (addresses are kept, so captured graphs stay valid)."""
@@ -309,8 +454,109 @@ class LlamaForCausalLM(nn.Module):
         ranges are not checked (that would need a data-dependent branch).
         """
         c = self.config
-        cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta)
+        cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, **_rope_scaling(c))
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, positions, seq_ids)
         return self.lm_head(self.norm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers checkpoints
+
+#: transformers ``model_type`` values `LlamaForCausalLM.from_hf` maps: decoders whose math is
+#: Llama's up to biases, q/k norms, tied embeddings and rope scaling.
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _hf_param_name(name: str) -> str:
+    """Our state-dict name for a transformers ``*ForCausalLM`` one."""
+    name = name.removeprefix("model.") if name.startswith("model.") else name
+    return name.replace(".input_layernorm.", ".input_norm.").replace(".post_attention_layernorm.", ".post_attention_norm.")
+
+
+def _hf_eos_token_ids(hf_model: nn.Module) -> tuple[int, ...]:
+    eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(hf_model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
+                    dtype: torch.dtype | None) -> tuple[LlamaConfig, bool]:
+    """`LlamaConfig` for a transformers model and whether its embeddings are tied; ConfigError
+    for anything the reference decoder would compute differently."""
+    cls_name = type(hf_model).__name__
+    cfg = getattr(hf_model, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    supported = ", ".join(SUPPORTED_HF_MODEL_TYPES)
+    if model_type not in SUPPORTED_HF_MODEL_TYPES:
+        raise ConfigError(f"from_hf: {cls_name} (model_type={model_type!r}) is not a Llama-architecture decoder "
+                          f"the reference decoder implements; supported model types: {supported}")
+    body, lm_head = getattr(hf_model, "model", None), getattr(hf_model, "lm_head", None)
+    layers = getattr(body, "layers", None)
+    if not isinstance(lm_head, nn.Linear) or layers is None or getattr(body, "embed_tokens", None) is None:
+        raise ConfigError(f"from_hf: {cls_name} has no language-model head; pass the *ForCausalLM model "
+                          "(AutoModelForCausalLM), not the bare decoder")
+    if lm_head.bias is not None:
+        raise ConfigError(f"from_hf: {cls_name}.lm_head has a bias, which the reference decoder does not implement")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"from_hf: {cls_name} uses hidden_act={act!r}; the reference decoder's MLP is SwiGLU (silu)")
+
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope = dict(rope)
+    if "rope_type" not in rope and isinstance(next(iter(rope.values()), None), dict):
+        raise ConfigError(f"from_hf: {cls_name} has per-layer-type rope parameters {sorted(rope)}; not supported")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"from_hf: {cls_name} uses rope_type={rope_type!r}, which the reference decoder does not "
+                          f"implement; supported: {', '.join(ROPE_TYPES)}")
+    partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"from_hf: {cls_name} uses partial_rotary_factor={partial!r}; only full rotary is implemented")
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
+    scaling: dict[str, Any] = {}
+    try:
+        if rope_type in ("linear", "llama3"):
+            scaling["rope_factor"] = float(rope["factor"])
+        if rope_type == "llama3":
+            scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                           rope_high_freq_factor=float(rope["high_freq_factor"]),
+                           rope_original_max_position=int(rope["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ConfigError(f"from_hf: {cls_name}'s rope parameters {rope} lack {e.args[0]!r} for rope_type={rope_type!r}") from None
+
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if window is not None and (layer_types is None or "sliding_attention" in layer_types) and max_seq_len > window:
+        raise ConfigError(f"from_hf: {cls_name} attends within a sliding window of {window} tokens and the reference "
+                          f"attention is fully causal; use max_seq_len <= {window} (got {max_seq_len})")
+
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    embed = body.embed_tokens.weight
+    num_heads = cfg.num_attention_heads
+    config = LlamaConfig(
+        vocab_size=embed.shape[0],
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=len(layers),
+        num_heads=num_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+        rope_theta=float(theta if theta is not None else 10000.0),
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        max_num_seqs=max_num_seqs,
+        max_seq_len=max_seq_len,
+        dtype=dtype if dtype is not None else embed.dtype,
+        qkv_bias=attn.q_proj.bias is not None,
+        o_bias=attn.o_proj.bias is not None,
+        mlp_bias=mlp.gate_proj.bias is not None,
+        qk_norm=hasattr(attn, "q_norm"),
+        tie_word_embeddings=lm_head.weight is embed,
+        rope_type=rope_type,
+        **scaling,
+    )
+    return config, config.tie_word_embeddings
