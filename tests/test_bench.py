@@ -57,7 +57,7 @@ def test_spread_marks_a_figure_noisy_when_its_spread_exceeds_its_value():
     noisy = spread([0.05, 0.25, 0.0])  # the warm start: a near-zero compile phase, +-0.2 s of noise
     assert noisy["noisy"] and fmt_spread(noisy) == "0.05 (0.00–0.25, noisy)"
     assert fmt_spread(spread([3.68])) == "3.68"  # one process: no spread to show
-    assert fmt_spread(spread([-0.1, 0.1, 0.0]), 1) == "0.0 (-0.1–0.1, noisy)"  # negative values are shown, not clamped
+    assert fmt_spread(spread([-0.1, 0.1, 0.0]), 1) == "0.0 (-0.1 to 0.1, noisy)"  # negative values are shown, not clamped
     # ratios are per round (round i ran both systems back to back), then the median of those
     r = paired_ratio([1.0, 3.0, 2.0], [2.0, 2.0, 4.0])
     assert r["runs"] == [0.5, 1.5, 0.5] and r["value"] == 0.5 and r["noisy"] and fmt_spread(r) == "0.50 (0.50–1.50, noisy)"
@@ -91,6 +91,8 @@ def test_startup_table_shows_spreads_and_first_output_ratio_beside_compile_ratio
     assert cells[6] == "0.50 (0.50–0.50)"  # first-output ratio beside the compile ratio
     assert cells[8] == "0.05 (0.00–0.25, noisy)" and cells[9].endswith("noisy)")
     assert "one process per system from empty caches (no spread)" in md and "measured directly" in md
+    res["machine"].update(load_start=4.52, load_end=1.0)
+    assert "; load average 4.5 at the start, 1.0 at the end." in to_markdown(res)
     assert "1.00 (1.00–1.00)" in md  # steady ratios per round, with their spread
 
 

@@ -92,10 +92,11 @@ def paired_ratio(nums: list[float], dens: list[float]) -> dict[str, Any]:
 
 def fmt_spread(fig: dict[str, Any], digits: int = 2) -> str:
     """``value (min–max)``, or ``value (min–max, noisy)`` when the spread exceeds the value; a
-    single run is just its value."""
+    single run is just its value. A negative minimum is written ``(-2.0 to 1.0)``."""
     f = lambda x: f"{x:.{digits}f}"  # noqa: E731
     text = f(fig["value"])
-    notes = [f"{f(fig['min'])}–{f(fig['max'])}"] if len(fig["runs"]) > 1 else []
+    sep = " to " if fig["min"] < 0 else "–"
+    notes = [f"{f(fig['min'])}{sep}{f(fig['max'])}"] if len(fig["runs"]) > 1 else []
     if fig["noisy"]:
         notes.append("noisy")
     return f"{text} ({', '.join(notes)})" if notes else text
@@ -116,6 +117,14 @@ def _median_latency(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _load() -> float | None:
+    """The machine's 1-minute load average (how busy it was: other processes skew every figure)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     """Run the suite; returns the results (also written under `cfg.out_dir` when set)."""
     import torch
@@ -123,7 +132,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     res: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_start": _load()},
         "config": dataclasses.asdict(cfg), "targets": TARGETS, "startup": {}, "steady": {},
     }
     with tempfile.TemporaryDirectory(prefix="piecewise-bench-") as tmp:
@@ -171,6 +180,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
             res["steady"][system] = _median_latency(runs[system])
         res["dispatch"] = _worker(["--system", "dispatch"], {"PIECEWISE_CACHE_DIR": os.path.join(tmp, "pw-dispatch")})
         log(f"  dispatch: {res['dispatch']['us_per_piece']:.2f} us per piece")
+    res["machine"]["load_end"] = _load()
     res["padding"] = padding_waste_report()
     res["summary"] = summarize(res, cfg)
     if cfg.out_dir:
@@ -258,6 +268,13 @@ def summarize(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
     return s
 
 
+def _load_text(m: dict[str, Any]) -> str:
+    if m.get("load_start") is None:
+        return ""
+    end = f", {m['load_end']:.1f} at the end" if m.get("load_end") is not None else ""
+    return f"; load average {m['load_start']:.1f} at the start{end}"
+
+
 def to_markdown(res: dict[str, Any]) -> str:
     s, m, t = res["summary"], res["machine"], res["targets"]
     cfg = res["config"]
@@ -269,7 +286,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         r0 = s["startup"][0]
         method = f" (full graph: {r0['compile_method_full']}; piecewise: {r0['compile_method_pw']})"
     out = [f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}, "
-           f"{m['threads']} threads; {m['date']}.", "",
+           f"{m['threads']} threads; {m['date']}" + _load_text(m) + ".", "",
            "Reference Llama decoder (hidden 128, GQA 4/2 heads). First output: wall time of the first call in a new "
            "process (construction excluded). Compile phase: the time spent inside tracing, loading and compiling, "
            "measured directly, not as a difference of wall times" + method + "; the first call's execution, "
