@@ -1,0 +1,257 @@
+"""The reference decoder built from transformers checkpoints (`LlamaForCausalLM.from_hf`) and served
+by the continuous-batching loop: logits equal HF eager, greedy tokens equal HF ``generate`` for
+each prompt alone, whatever the batch mix; bad inputs fail with typed errors before any compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import piecewise as pw
+from piecewise import CompilationConfig, ConfigError, InputError, counters
+from piecewise.models.decode import greedy_decode, make_prompts
+from piecewise.models.llama import LlamaForCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+DIMS = {"input_ids": 0, "positions": 0, "seq_ids": 0}
+VOCAB = 256
+_TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=2, max_position_embeddings=256)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32)
+
+# name -> (config class name, overrides): the Llama-family variants from_hf maps.
+VARIANTS = {
+    "llama-gqa": ("LlamaConfig", {}),
+    "llama-tied-mqa": ("LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "llama-biases": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+    "llama3-rope": ("LlamaConfig", dict(rope_parameters=LLAMA3_ROPE)),
+    "linear-rope-head32": ("LlamaConfig", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+                                               head_dim=32)),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "mistral": ("MistralConfig", dict(sliding_window=4096)),
+}
+
+
+def tiny_hf(name: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny transformers decoder (2 layers, hidden 64, SDPA, eval) with every parameter drawn at
+    random (biases and norm weights included, which transformers initialises to constants), scaled
+    like the reference decoder's init so greedy choices win by clear margins."""
+    cls_name, overrides = VARIANTS[name]
+    config = getattr(transformers, cls_name)(**{**_TINY, **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():  # tied weights are listed once
+            if pname.endswith("norm.weight"):
+                std, mean = 0.1, 1.0
+            elif pname.endswith(".bias"):
+                std, mean = 0.1, 0.0
+            elif pname.endswith("embed_tokens.weight"):
+                std, mean = 1.0, 0.0
+            elif pname == "lm_head.weight":
+                std, mean = 2.0 / math.sqrt(p.shape[1]), 0.0
+            else:
+                std, mean = 1.0 / math.sqrt(p.shape[1]), 0.0
+                if pname.endswith(("o_proj.weight", "down_proj.weight")):
+                    std /= 2.0
+            p.copy_(torch.randn(p.shape, generator=gen) * std + mean)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy ``generate`` for one prompt alone (it stops after an EOS token, keeping it)."""
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_equal_hf_eager(name):
+    hf = tiny_hf(name)
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=4, max_seq_len=64)
+    c = model.config
+    cls_name, overrides = VARIANTS[name]
+    assert c.tie_word_embeddings == bool(overrides.get("tie_word_embeddings"))
+    assert (model.lm_head.weight is model.embed_tokens.weight) == c.tie_word_embeddings
+    assert c.qkv_bias == (name in ("llama-biases", "qwen2")) and c.o_bias == (name == "llama-biases")
+    assert c.qk_norm == (name == "qwen3") and c.num_kv_heads == overrides.get("num_key_value_heads", 2)
+    assert c.rope_type == overrides.get("rope_parameters", {}).get("rope_type", "default")
+    # Three sequences of different lengths in one flattened call, in slots 3, 0, 1.
+    prompts = make_prompts(3, VOCAB, seed=1, min_len=5, max_len=40)
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.cat([torch.arange(len(p)) for p in prompts])
+    seq_ids = torch.cat([torch.full((len(p),), s) for p, s in zip(prompts, (3, 0, 1))])
+    with torch.no_grad():
+        got = model(ids, positions, seq_ids)
+        want = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert want.std() > 0.5  # logits of a real spread: the comparison means something
+    # The HF model is untouched, and the copy does not share its storage.
+    assert all(p.data_ptr() != q.data_ptr() for p in model.parameters() for q in hf.parameters())
+
+
+class StepLog:
+    """Wraps a decode forward and records, per call, how many prefill and decode segments it fed."""
+
+    def __init__(self, forward) -> None:
+        self.forward, self.steps = forward, []
+
+    def __call__(self, input_ids, positions, seq_ids):
+        starts = [0] + [i for i in range(1, len(seq_ids)) if seq_ids[i] != seq_ids[i - 1]] + [len(seq_ids)]
+        segments = [(positions[a].item(), b - a) for a, b in zip(starts, starts[1:])]
+        self.steps.append((sum(n > 1 or p == 0 for p, n in segments), sum(n == 1 and p > 0 for p, n in segments)))
+        return self.forward(input_ids, positions, seq_ids)
+
+    def mixed(self) -> bool:
+        """Some step fed a prefill and a decode together."""
+        return any(prefills and decodes for prefills, decodes in self.steps)
+
+
+def _requests(seed: int = 2):
+    """Seven requests: lengths 3..30, arriving at steps 0, 0, 1, 3, 4, 4, 9, each its own budget."""
+    prompts = make_prompts(7, VOCAB, seed=seed, min_len=3, max_len=30)
+    return prompts, [0, 0, 1, 3, 4, 4, 9], [6, 3, 8, 5, 7, 2, 6]
+
+
+def _with_eos_hit(hf, prompts, budgets):
+    """Make a token that request 0 generates at its third step an EOS token of `hf`'s generation
+    config, so at least one request stops early on EOS (others may too)."""
+    free = hf_greedy(hf, prompts[0], budgets[0])
+    hf.generation_config.eos_token_id = [free[2]]
+    return free[2]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-tied-mqa", "qwen2", "llama3-rope"])
+def test_engine_greedy_equals_hf_generate_per_prompt(name, greedy_margin):
+    hf = tiny_hf(name, seed=1)
+    prompts, arrivals, budgets = _requests()
+    eos = _with_eos_hit(hf, prompts, budgets)
+    want = [hf_greedy(hf, p, n) for p, n in zip(prompts, budgets)]
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=3, max_seq_len=48)
+    assert model.eos_token_ids == (eos,)
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=128), dynamic_arg_dims=DIMS)
+    forward = greedy_margin(cm)
+    log = StepLog(forward)
+    run = greedy_decode(log, prompts, budgets, arrival_steps=arrivals, eos_token_ids=model.eos_token_ids,
+                        config=model.config, reset=model.reset_kv_cache)
+    assert run.tokens == want
+    assert want[0][-1] == eos and run.stop_reasons[0] == "eos"
+    assert "length" in run.stop_reasons
+    # The mix the loop served: 7 requests through 3 slots (some queued), prefills beside decodes.
+    assert log.mixed() and len(set(run.step_sizes)) >= 5
+    forward.assert_far_from_ties()
+    # Same requests again, other arrivals: no new trace, no recompile.
+    with counters.expect(recompiles=0, dynamo_traces=0):
+        again = greedy_decode(cm, prompts, budgets, arrival_steps=[0] * 7, eos_token_ids=model.eos_token_ids,
+                              config=model.config, reset=model.reset_kv_cache)
+    assert again.tokens == want
+
+
+def test_engine_chunked_prefill_under_token_budget_equals_hf(greedy_margin):
+    hf = tiny_hf("llama-biases", seed=3)
+    prompts, arrivals, budgets = _requests(seed=4)
+    want = [hf_greedy(hf, p, n) for p, n in zip(prompts, budgets)]
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=4, max_seq_len=48)
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=8), dynamic_arg_dims=DIMS)
+    forward = greedy_margin(cm)
+    run = greedy_decode(forward, prompts, budgets, arrival_steps=arrivals, eos_token_ids=model.eos_token_ids,
+                        config=model.config, max_num_tokens=8, reset=model.reset_kv_cache)
+    assert run.tokens == want
+    assert max(run.step_sizes) == 8 and max(map(len, prompts)) > 8  # long prompts went in chunks
+    assert counters.recompiles == 0
+    forward.assert_far_from_ties()
+
+
+def test_engine_with_inductor_equals_hf(greedy_margin):
+    hf = tiny_hf("llama-tied-mqa", seed=5)
+    prompts, arrivals, budgets = _requests(seed=6)
+    eos = _with_eos_hit(hf, prompts, budgets)
+    want = [hf_greedy(hf, p, n) for p, n in zip(prompts, budgets)]
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=3, max_seq_len=48)
+    cm = pw.compile(model, CompilationConfig(backend="inductor", max_num_tokens=64), dynamic_arg_dims=DIMS)
+    forward = greedy_margin(cm)
+    with counters.expect(recompiles=0, dynamo_traces=1):
+        run = greedy_decode(forward, prompts, budgets, arrival_steps=arrivals, eos_token_ids=(eos,),
+                            config=model.config, reset=model.reset_kv_cache)
+    assert run.tokens == want and "eos" in run.stop_reasons
+    forward.assert_far_from_ties()
+
+
+# -- bad input: typed errors before anything is compiled --------------------------------------
+
+def _no_compile_work():
+    return counters.expect(dynamo_traces=0, compiler_invocations=0, graphs_seen=0)
+
+
+def test_from_hf_refuses_other_architectures_naming_them():
+    from piecewise.models import hf as pw_hf
+
+    bert = pw_hf.tiny_bert(attn_implementation="sdpa")
+    gpt2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4), attn_implementation="sdpa")
+    with _no_compile_work():
+        for model, arch in ((bert, "BertModel.*'bert'"), (gpt2, "GPT2LMHeadModel.*'gpt2'")):
+            with pytest.raises(ConfigError, match=f"{arch}.*supported model types: llama, mistral, qwen2, qwen3"):
+                LlamaForCausalLM.from_hf(model)
+        bare = tiny_hf("llama-gqa").model  # the decoder without its LM head
+        with pytest.raises(ConfigError, match="no language-model head"):
+            LlamaForCausalLM.from_hf(bare)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                   original_max_position_embeddings=64)), "rope_type='yarn'.*supported: default, linear, llama3"),
+        (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)), "rope_type='dynamic'"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ],
+)
+def test_from_hf_refuses_what_the_reference_decoder_does_not_compute(overrides, match):
+    config = transformers.LlamaConfig(**{**_TINY, **overrides})
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with _no_compile_work(), pytest.raises(ConfigError, match=match):
+        LlamaForCausalLM.from_hf(hf)
+
+
+def test_from_hf_refuses_a_sliding_window_shorter_than_the_cache():
+    config = transformers.MistralConfig(**{**_TINY, "sliding_window": 32})
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with pytest.raises(ConfigError, match="sliding window of 32.*max_seq_len <= 32"):
+        LlamaForCausalLM.from_hf(hf, max_seq_len=64)
+    assert LlamaForCausalLM.from_hf(hf, max_seq_len=32).config.max_seq_len == 32
+
+
+def test_engine_refuses_a_request_longer_than_the_cache_before_compiling():
+    model = LlamaForCausalLM.from_hf(tiny_hf("llama-gqa"), max_num_seqs=2, max_seq_len=32)
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64), dynamic_arg_dims=DIMS)
+    prompts = [[1, 2, 3], [5] * 30]
+    with _no_compile_work():
+        with pytest.raises(InputError, match=r"request 1 needs 33 positions .* max_seq_len=32 \(LlamaConfig.max_seq_len"):
+            greedy_decode(cm, prompts, 4, config=model.config)
+        with pytest.raises(InputError, match=r"max_num_seqs=3 exceeds the model's 2 sequence slots \(LlamaConfig.max_num_seqs\)"):
+            greedy_decode(cm, prompts[:1], 4, config=model.config, max_num_seqs=3)
+        with pytest.raises(InputError, match="max_new_tokens has 1 entries for 2 prompts"):
+            greedy_decode(cm, prompts, [4], config=model.config)
+    # Exactly at the limit is fine: 30 + 3 - 1 = 32 positions.
+    assert [len(t) for t in greedy_decode(cm, prompts, 3, config=model.config).tokens] == [3, 3]
+
+
+def test_config_refuses_unknown_rope_type_and_bad_variant_fields():
+    from piecewise.models.llama import LlamaConfig
+
+    with pytest.raises(ConfigError, match="LlamaConfig.rope_type='yarn' is not supported"):
+        LlamaConfig(rope_type="yarn")
+    with pytest.raises(ConfigError, match="LlamaConfig.qkv_bias=1 must be True or False"):
+        LlamaConfig(qkv_bias=1)
+    with pytest.raises(ConfigError, match="rope_high_freq_factor"):
+        LlamaConfig(rope_type="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0)
