@@ -35,6 +35,7 @@ import inspect
 import logging
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -51,7 +52,7 @@ from .counters import counters
 from .errors import CompileError, ConfigError, GuardFailureError, InputError
 from .inputs import CallSignature
 
-__all__ = ["compile", "CompiledModel", "unique_tag"]
+__all__ = ["compile", "CompiledModel", "unique_tag", "register_route"]
 
 log = logging.getLogger("piecewise")
 
@@ -75,6 +76,20 @@ def unique_tag(base: str) -> str:
 def release_tag(tag: str) -> None:
     with _tags_lock:
         _tags_used.discard(tag)
+
+
+#: call routes, tried in order when a model is compiled: ``factory(module, config, tag)`` returns a
+#: callable ``route(args, kwargs)`` for modules it serves (else None); the route returns
+#: ``NotImplemented`` for a call it leaves to the model's own compiled forward. The transformers
+#: generation route (`piecewise.models.hf_generate`) registers itself this way, so this layer
+#: imports nothing from the models above it.
+_ROUTES: list[Callable[..., Any]] = []
+
+
+def register_route(factory: Callable[..., Any]) -> None:
+    """Add a call-route factory (see `_ROUTES`); idempotent."""
+    if factory not in _ROUTES:
+        _ROUTES.append(factory)
 
 
 class CompiledModel:
@@ -111,6 +126,12 @@ class CompiledModel:
 
             get_adaptor(config.backend, config)  # an unknown adaptor name fails here, before any call
         self._signature = CallSignature(self._params, self._dynamic, self.tag, config.max_num_tokens)
+        # Callers that inspect ``model.forward`` (transformers' generate() does) see the model's own
+        # parameters when the compiled model is assigned to it.
+        self.__signature__ = inspect.signature(types.MethodType(fn, module))
+        self._route = None
+        if config.mode != "none":
+            self._route = next((r for f in _ROUTES if (r := f(module, config, self.tag)) is not None), None)
         self._guards: Any = None  # Dynamo's guard manager of the trace (debug mode checks it)
         self._object_guards: Any = None  # guards rooted at object arguments, checked every call
         self._fast: Callable[..., Any] | None = None
@@ -124,6 +145,11 @@ class CompiledModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.mode == "none":
             return self.module(*args, **kwargs)
+        if self._route is not None:
+            with torch.no_grad():
+                out = self._route(args, kwargs)
+            if out is not NotImplemented:
+                return out
         fast = self._fast
         with torch.no_grad():
             if fast is None or (state.EPOCH != self._state_epoch and not self._state_unchanged()):
@@ -136,6 +162,28 @@ class CompiledModel:
             return fast(self.module, *args, **kwargs)
 
     forward = __call__
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate(...)`` (transformers), every forward running compiled: the
+        same arguments and result as ``module.generate``. Equivalent to ``module.forward = compiled``
+        followed by ``module.generate(...)``, without leaving the assignment behind.
+
+        Raises:
+            AttributeError: the wrapped module has no ``generate``.
+        """
+        generate = getattr(self.module, "generate", None)
+        if generate is None:
+            raise AttributeError(f"{type(self.module).__name__} has no generate(); call the compiled model instead")
+        had = "forward" in self.module.__dict__
+        previous = self.module.__dict__.get("forward")
+        self.module.forward = self
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            if had:
+                self.module.forward = previous
+            else:
+                del self.module.forward
 
     def _f_locals(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The frame locals ``forward`` would see for this call (what Dynamo's guards read)."""

@@ -108,6 +108,12 @@ class CompilationConfig:
         noop_elimination: run the built-in `piecewise.passes.NoOpElimination` first.
         reinplace_custom_ops: run the built-in `piecewise.passes.ReinplaceCustomOps` last.
         debug: check on every call that the first trace's Dynamo guards still hold (slow).
+        max_num_seqs: sequences (rows) the KV cache of transformers ``generate()`` holds: the
+            largest batch one ``generate()`` call takes (`piecewise.models.hf_generate`).
+        max_model_len: positions per sequence in that KV cache (prompt plus generated tokens),
+            capped by the model's ``max_position_embeddings``. The cache is allocated on the first
+            ``generate()`` call: ``2 x layers x max_num_seqs x kv_heads x max_model_len x head_dim``
+            elements in the model's dtype.
 
     Raises:
         ConfigError: on any invalid field, naming it and the remedy.
@@ -128,6 +134,8 @@ class CompilationConfig:
     noop_elimination: bool = True
     reinplace_custom_ops: bool = True
     debug: bool = False
+    max_num_seqs: int = 8
+    max_model_len: int = 1024
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -137,8 +145,10 @@ class CompilationConfig:
             raise ConfigError(f"backend={self.backend!r} must be an adaptor name such as 'inductor' or 'eager'")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ConfigError(f"cudagraph_mode={self.cudagraph_mode!r} is not one of {CUDAGRAPH_MODES}")
-        if isinstance(self.max_num_tokens, bool) or not isinstance(self.max_num_tokens, int) or self.max_num_tokens < 1:
-            raise ConfigError(f"max_num_tokens={self.max_num_tokens!r} must be a positive integer")
+        for name in ("max_num_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
         if self.splitting_ops is not None:
             if isinstance(self.splitting_ops, str):
                 raise ConfigError(

@@ -128,6 +128,10 @@ def piecewise_attention_forward(
     """
     if dropout:
         raise ConfigError(f"piecewise attention got dropout={dropout}; it is inference-only, call model.eval()")
+    if kwargs.get("pw_k_caches") is not None:  # inside a generation step: the piecewise-owned KV cache
+        from .hf_generate import cached_attention_forward
+
+        return cached_attention_forward(module, query, key, value, scaling, kwargs)
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ConfigError(f"piecewise attention does not support {name!r}; use attn_implementation='sdpa'")
@@ -150,8 +154,12 @@ def register_hf_attention(name: str = "piecewise") -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    from ..api import register_route
+    from .hf_generate import generation_route
+
     AttentionInterface.register(name, piecewise_attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
+    register_route(generation_route)
     return name
 
 

@@ -1,0 +1,265 @@
+"""transformers ``generate()`` on a compiled model, with a KV cache that piecewise owns.
+
+``compiled.generate(...)`` and ``model.forward = compiled; model.generate(...)`` both reach the
+compiled model with transformers' calling convention (``input_ids`` ``[batch, new_tokens]``,
+``attention_mask``, ``position_ids``, a ``cache`` object, ``use_cache``, ``logits_to_keep``). A
+`GenerationRoute` serves those calls with a second compiled model, a `GenerationStep`, whose KV
+cache is static tensors allocated once per layer, ``[max_num_seqs, num_kv_heads, max_model_len,
+head_dim]``, so their addresses never move across steps or ``generate()`` calls (what graph capture
+needs). The attention splitting op `hf_cached_attention` writes each step's keys and values into it
+in place at the tokens' cache positions and attends over it; transformers' own cache object is
+passed through untouched and only tells a new generation (a new cache object) from the next step
+of the current one.
+
+One trace serves prefill and decode, any batch size up to `max_num_seqs` and any length up to
+`max_model_len` (batch and token dims are both dynamic): the counters show one Dynamo trace for
+any number of ``generate()`` calls. Left padding works through the 2-D ``attention_mask``: pad
+positions are never attended by real tokens. ``use_cache=False`` runs the whole sequence each step
+through the same compiled step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, InputError
+from ..ops import splitting_op
+
+__all__ = ["CACHED_ATTENTION_OP", "GenerationRoute", "GenerationStep", "hf_cached_attention", "generation_route"]
+
+CACHED_ATTENTION_OP = "piecewise_models::hf_cached_attention"
+
+
+@splitting_op(CACHED_ATTENTION_OP, mutates_args=("k_cache", "v_cache"))
+def hf_cached_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_pos: torch.Tensor,
+    kv_valid: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Write this step's keys and values into the static cache and attend over the cached rows.
+
+    Args:
+        query: ``[batch, num_heads, new_tokens, head_dim]``.
+        key, value: ``[batch, num_kv_heads, new_tokens, head_dim]`` (value may have its own head dim).
+        k_cache, v_cache: ``[max_num_seqs, num_kv_heads, max_model_len, head_dim]``, written in place
+            at rows ``0..batch-1``, positions `write_pos`.
+        write_pos: ``[new_tokens]`` int64, the cache position of each new token (the same for every
+            row: rows are left-padded to one length), increasing.
+        kv_valid: ``[batch, max_model_len]`` bool, False at pad positions (from the 2-D attention mask).
+        scaling: multiplier of ``q @ k^T``.
+
+    Returns:
+        ``[batch, new_tokens, num_heads, value_head_dim]``, contiguous, in the query dtype.
+
+    Token ``t`` sees cache positions ``j <= write_pos[t]`` that are valid; a pad token also sees
+    itself, so no row is fully masked (a fully masked row would be NaN, and a NaN value poisons
+    every row that weights it by zero).
+    """
+    batch, heads, _, _ = query.shape
+    k_cache[:batch].index_copy_(2, write_pos, key.to(k_cache.dtype))
+    v_cache[:batch].index_copy_(2, write_pos, value.to(v_cache.dtype))
+    length = int(write_pos[-1]) + 1
+    keys, values = k_cache[:batch, :, :length], v_cache[:batch, :, :length]
+    j = torch.arange(length, device=query.device)
+    causal = j[None, :] <= write_pos[:, None]  # [new_tokens, length]
+    self_pos = j[None, :] == write_pos[:, None]
+    mask = causal[None] & (kv_valid[:, None, :length] | self_pos[None])  # [batch, new_tokens, length]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.to(query.dtype), values.to(query.dtype), attn_mask=mask[:, None], scale=scaling,
+        enable_gqa=heads != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+@hf_cached_attention.register_fake
+def _(query, key, value, k_cache, v_cache, write_pos, kv_valid, scaling):
+    batch, heads, new_tokens, _ = query.shape
+    return query.new_empty(batch, new_tokens, heads, value.shape[-1])
+
+
+class GenerationStep(torch.nn.Module):
+    """One generation step of a transformers causal LM over the piecewise-owned KV cache.
+
+    ``forward(input_ids [B, T] int64, position_ids [B, T] int64, write_pos [T] int64, kv_valid
+    [B, max_model_len] bool) -> logits [B, T, vocab]``. The wrapped model's attention layers (built
+    with ``attn_implementation="piecewise"``) find this step's caches in the keyword arguments
+    transformers passes down to every attention call.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int) -> None:
+        super().__init__()
+        cfg = model.config
+        self.model = model
+        layers = cfg.num_hidden_layers
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        param = next(model.parameters())
+        shape = (max_num_seqs, kv_heads, max_model_len, head_dim)
+        for i in range(layers):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
+            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
+        self.num_layers = layers
+
+    def caches(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        return (tuple(getattr(self, f"k_cache_{i}") for i in range(self.num_layers)),
+                tuple(getattr(self, f"v_cache_{i}") for i in range(self.num_layers)))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, write_pos: torch.Tensor,
+                kv_valid: torch.Tensor) -> torch.Tensor:
+        k_caches = tuple(getattr(self, f"k_cache_{i}") for i in range(self.num_layers))
+        v_caches = tuple(getattr(self, f"v_cache_{i}") for i in range(self.num_layers))
+        # The class's forward: ``self.model.forward`` may be the compiled model itself (generate()).
+        out = type(self.model).forward(self.model, input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                       pw_write_pos=write_pos, pw_kv_valid=kv_valid, pw_k_caches=k_caches,
+                                       pw_v_caches=v_caches)
+        return out.logits
+
+
+def cached_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             scaling: float | None, kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+    """The attention function's path inside a `GenerationStep` (the step's caches are in `kwargs`)."""
+    layer = module.layer_idx
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = hf_cached_attention(query, key, value, kwargs["pw_k_caches"][layer], kwargs["pw_v_caches"][layer],
+                              kwargs["pw_write_pos"], kwargs["pw_kv_valid"], scale)
+    return out, None
+
+
+#: keyword arguments of a transformers forward that mark the generation calling convention
+_GENERATION_KWARGS = ("cache", "past_key_values", "use_cache", "attention_mask", "position_ids", "logits_to_keep",
+                      "return_dict")
+#: keyword arguments a step cannot honour
+_UNSUPPORTED = ("inputs_embeds", "labels", "output_attentions", "output_hidden_states", "token_type_ids")
+
+
+class GenerationRoute:
+    """Serves a compiled transformers causal LM's calls in the generation convention (see module
+    doc). Built by `generation_route`; called by `piecewise.CompiledModel` for every call, it
+    returns ``NotImplemented`` for a call that is not one (the model's own compiled forward runs).
+
+    Limits, from the `CompilationConfig`: `max_num_seqs` rows a call (batch size) and
+    `max_model_len` cache positions (prompt plus generated tokens); a call above either raises
+    `InputError` naming the field, before anything runs.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Any, tag: str) -> None:
+        self.model = model
+        self.config = config
+        self.tag = tag
+        self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", config.max_model_len))
+        self.step: GenerationStep | None = None
+        self.compiled: Any = None
+        self.kv_valid: torch.Tensor | None = None
+        self._cache_ref: Any = None
+        self._past = 0
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        if not any(k in kwargs for k in _GENERATION_KWARGS):
+            return NotImplemented
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        bad = [k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False)]
+        if bad or input_ids is None or len(args) > 1:
+            raise InputError(f"[{self.tag}] the compiled generation step takes input_ids (and attention_mask, position_ids, "
+                             f"cache, use_cache, logits_to_keep); got {bad or 'positional arguments'}")
+        if input_ids.dim() != 2:
+            raise InputError(f"[{self.tag}] input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        batch, new = input_ids.shape
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        past = self._past_for(cache)
+        if batch > self.max_num_seqs:
+            raise InputError(f"[{self.tag}] {batch} sequences in one call, above max_num_seqs={self.max_num_seqs}; raise "
+                             "CompilationConfig(max_num_seqs=...) or generate in smaller batches")
+        if past + new > self.max_model_len:
+            raise InputError(f"[{self.tag}] {past + new} positions (prompt plus generated tokens) do not fit the KV cache of "
+                             f"max_model_len={self.max_model_len}; raise CompilationConfig(max_model_len=...) or shorten the "
+                             "prompt / max_new_tokens")
+        self._ensure_compiled(input_ids.device)
+        total = past + new
+        valid = self.kv_valid
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and mask.shape[1] == total:
+            valid[:batch, :total].copy_(mask.bool())
+        elif mask is not None and mask.dim() == 4:
+            # A compilable cache's 4-D mask, built by transformers from its own (never filled) cache:
+            # right for the prompt (its last query row holds every key that prompt may see), so read
+            # the padding there; a later step only appends real tokens.
+            if past == 0:
+                row = mask[:, 0, -1, :total]
+                valid[:batch, :total].copy_(row if row.dtype == torch.bool else row == 0)
+            else:
+                valid[:batch, past:total].fill_(True)
+        elif mask is None:
+            valid[:batch, :total].fill_(True)
+        else:
+            raise InputError(f"[{self.tag}] attention_mask of shape {tuple(mask.shape)} does not cover the {total} positions "
+                             "of this sequence")
+        write_pos = torch.arange(past, total, device=input_ids.device)
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:  # as transformers derives them: count of real tokens so far
+            position_ids = (valid[:batch, :total].long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        logits = self.compiled(input_ids, position_ids.expand(batch, new).contiguous(), write_pos, valid[:batch])
+        self._past = total if cache is not None else 0
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, int) and keep > 0:
+            logits = logits[:, -keep:]
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        out = CausalLMOutputWithPast(logits=logits)
+        if cache is not None:
+            out["cache"] = cache
+        return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
+
+    def _past_for(self, cache: Any) -> int:
+        """Positions already in the piecewise cache for this sequence: 0 for a new cache object (a
+        new ``generate()``) or without one (``use_cache=False``: every step starts over)."""
+        if cache is None:
+            self._cache_ref = None
+            return 0
+        try:
+            same = self._cache_ref is not None and self._cache_ref() is cache
+            ref = weakref.ref(cache)
+        except TypeError:  # not weak-referenceable: compare identity through a strong reference
+            same = self._cache_ref is not None and self._cache_ref() is cache
+            ref = lambda: cache  # noqa: E731
+        if not same:
+            self._cache_ref, self._past = ref, 0
+        return self._past
+
+    def _ensure_compiled(self, device: torch.device) -> None:
+        if self.compiled is not None:
+            return
+        import dataclasses
+
+        from ..api import compile as pw_compile
+
+        self.step = GenerationStep(self.model, self.max_num_seqs, self.max_model_len)
+        self.kv_valid = torch.zeros(self.max_num_seqs, self.max_model_len, dtype=torch.bool, device=device)
+        # Batch and token dims are both dynamic, so size and range compiles (keyed by one token
+        # count) do not apply to the step: one symbolic compile serves it.
+        config = dataclasses.replace(self.config, tag=f"{self.tag}_generate", compile_sizes=(), compile_ranges=(),
+                                     max_num_tokens=max(self.config.max_num_tokens, self.max_num_seqs, self.max_model_len))
+        self.compiled = pw_compile(self.step, config, dynamic_arg_dims={
+            "input_ids": (0, 1), "position_ids": (0, 1), "write_pos": 0, "kv_valid": 0})
+
+
+def generation_route(module: torch.nn.Module, config: Any, tag: str) -> GenerationRoute | None:
+    """A `GenerationRoute` for a transformers causal LM built with ``attn_implementation="piecewise"``,
+    else None. Raises `ConfigError` for a generation model with another attention (its layers would
+    not reach the piecewise cache)."""
+    generate = getattr(module, "generate", None)
+    cfg = getattr(module, "config", None)
+    if generate is None or cfg is None or not hasattr(cfg, "num_hidden_layers") or getattr(cfg, "is_encoder_decoder", False):
+        return None
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl != "piecewise":
+        return None
+    return GenerationRoute(module, config, tag)
