@@ -226,3 +226,11 @@ def test_cache_tools_that_read_entries_do_not_import_torch(tmp_path):
                        capture_output=True, text=True)
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["rc"] == 0 and "imported 2 entries" in r["out"], r
+
+
+def test_import_accepts_compile_and_bundle_variant_entry_names_only():
+    ok = ["0123456789abcdef0123/rank_0_0/TwoSplitModel", "0123456789abcdef0123-89abcdef/rank_1_0/m.v2"]
+    bad = ["0123456789abcdef0123/rank_0_0/.hidden", "../0123456789abcdef/rank_0_0/t", "0123456789abcdef0123-/rank_0_0/t",
+           "0123456789abcdef0123/rank_0_0/t/extra", "XYZ3456789abcdef0123/rank_0_0/t"]
+    assert all(tools._ENTRY_NAME.fullmatch(n) for n in ok)
+    assert not any(tools._ENTRY_NAME.fullmatch(n) for n in bad)

@@ -25,7 +25,8 @@ from .store import FACTORS, INDEX, LOCK, QUARANTINE, IndexError_, _makedirs, che
 __all__ = ["EntryInfo", "list_entries", "find_entry", "verify", "explain", "clear", "export_archive", "import_archive"]
 
 MANIFEST = "piecewise_manifest.json"
-_ENTRY_NAME = re.compile(r"[0-9a-f]{8,64}/rank_\d+_\d+/(?!\.)[A-Za-z0-9_.\-]+")
+# <key>/rank_<r>_<dp>/<tag>; a warm-start bundle's key may carry a variant: <start key>-<variant>
+_ENTRY_NAME = re.compile(r"[0-9a-f]{8,64}(?:-[0-9a-f]{4,64})?/rank_\d+_\d+/(?!\.)[A-Za-z0-9_.\-]+")
 
 
 @dataclasses.dataclass
