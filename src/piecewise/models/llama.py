@@ -4,7 +4,10 @@ Tokens of every sequence in a step are flattened into one dimension (`num_tokens
 position and the slot of its sequence; there is no batch or padding dimension. Attention is the
 splitting op ``piecewise_models::llama_attention``: it writes the step's keys and values into static
 per-layer KV caches in place and then attends, so it stays eager while everything between two
-attentions can be compiled and captured. Weights are random from a seed; nothing is downloaded.
+attentions can be compiled and captured. Weights are random from a seed, or copied from a
+transformers Llama-family checkpoint with `LlamaForCausalLM.from_hf` (Llama, Mistral, Qwen2, Qwen3:
+grouped-query attention, biases, q/k norms, tied embeddings, default/linear/llama3 rope scaling);
+nothing is downloaded.
 
 The forward has no Python branching on tensor values and no data-dependent shapes outside the
 attention op, so Dynamo traces it with ``fullgraph=True`` and a dynamic `num_tokens`.

@@ -94,6 +94,19 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+_source_digests: dict[tuple[Any, ...], str] = {}
+
+
+def _source_sha256(path: Path) -> str:
+    """`file_sha256` of a checkpoint, remembered for this process while the file's identity (device,
+    inode, size, mtime) is unchanged, so loading the same GGUF file again does not hash it again."""
+    st = os.stat(path)
+    ident = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if ident not in _source_digests:
+        _source_digests[ident] = file_sha256(path)
+    return _source_digests[ident]
+
+
 def _verify(root: str, entry: str, key: str) -> str | None:
     """None when `entry` holds a complete, undamaged cache entry for `key`; else what is wrong
     (``"missing"`` when there is no entry at all)."""
@@ -277,7 +290,7 @@ def load_gguf_causal_lm(
         from .hf import register_hf_attention
 
         register_hf_attention()
-    found = cached_dir(f"gguf-{file_sha256(path)}", build, cache_root=cache_root,
+    found = cached_dir(f"gguf-{_source_sha256(path)}", build, cache_root=cache_root,
                        meta={"source": path.name, "dtype": "float32"})
     if found.path is None:
         if not built:
