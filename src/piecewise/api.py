@@ -174,6 +174,12 @@ class CompiledModel:
         generate = getattr(self.module, "generate", None)
         if generate is None:
             raise AttributeError(f"{type(self.module).__name__} has no generate(); call the compiled model instead")
+        if self._route is None:
+            raise ConfigError(
+                f"[{self.tag}] compiled generate() needs a transformers causal LM built with attn_implementation='piecewise' "
+                "(call piecewise.models.hf.register_hf_attention() first), so its attention reaches the KV cache piecewise "
+                f"owns; {type(self.module).__name__} uses {getattr(getattr(self.module, 'config', None), '_attn_implementation', '?')!r}")
+        self._route.check_generate(args, kwargs)
         had = "forward" in self.module.__dict__
         previous = self.module.__dict__.get("forward")
         self.module.forward = self

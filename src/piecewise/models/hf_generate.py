@@ -186,6 +186,8 @@ class GenerationRoute:
         total = past + new
         valid = self.kv_valid
         mask = kwargs.get("attention_mask")
+        if isinstance(mask, dict):  # one mask per layer type; full attention only (the route refuses others)
+            mask = mask.get("full_attention", next(iter(mask.values()), None))
         if mask is not None and mask.dim() == 2 and mask.shape[1] == total:
             valid[:batch, :total].copy_(mask.bool())
         elif mask is not None and mask.dim() == 4:
@@ -217,6 +219,26 @@ class GenerationRoute:
         if cache is not None:
             out["cache"] = cache
         return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
+
+    def check_generate(self, args: tuple, kwargs: dict) -> None:
+        """Before ``generate()`` runs: the batch and prompt plus new tokens fit the KV cache.
+
+        Raises:
+            InputError: naming `max_num_seqs` or `max_model_len` (the same limits a step checks).
+        """
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            return
+        gen_cfg = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        new = kwargs.get("max_new_tokens", getattr(gen_cfg, "max_new_tokens", None) if "max_length" not in kwargs else None)
+        total = ids.shape[1] + new if new is not None else kwargs.get("max_length", getattr(gen_cfg, "max_length", None))
+        if ids.shape[0] > self.max_num_seqs:
+            raise InputError(f"[{self.tag}] {ids.shape[0]} sequences in one generate() call, above max_num_seqs="
+                             f"{self.max_num_seqs}; raise CompilationConfig(max_num_seqs=...) or generate in smaller batches")
+        if total is not None and total > self.max_model_len:
+            raise InputError(f"[{self.tag}] prompt of {ids.shape[1]} tokens plus {total - ids.shape[1]} new ones needs {total} "
+                             f"positions, above max_model_len={self.max_model_len}; raise CompilationConfig(max_model_len=...) "
+                             "or shorten the prompt / max_new_tokens")
 
     def _past_for(self, cache: Any) -> int:
         """Positions already in the piecewise cache for this sequence: 0 for a new cache object (a
@@ -262,4 +284,9 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
     impl = getattr(cfg, "_attn_implementation", None)
     if impl != "piecewise":
         return None
+    layer_types = set(getattr(cfg, "layer_types", None) or ())
+    if layer_types - {"full_attention"} or getattr(cfg, "use_sliding_window", False):
+        raise ConfigError(f"{type(module).__name__} has attention layers of types {sorted(layer_types) or ['sliding window']}; "
+                          "the piecewise generation KV cache implements full causal attention only. Compile it with "
+                          "attn_implementation='sdpa' and mode='none', or without generate()")
     return GenerationRoute(module, config, tag)

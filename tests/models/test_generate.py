@@ -1,0 +1,143 @@
+"""transformers generate() through piecewise: greedy tokens equal the same weights under
+attn_implementation="sdpa" eager, for both entry paths, every cache spelling, left-padded batches,
+and one trace for any batch size and prompt length."""
+
+import pytest
+import torch
+
+import piecewise as pw
+from piecewise import CompilationConfig, counters
+from piecewise.models import hf
+
+from conftest import MIN_GREEDY_MARGIN
+
+hf.register_hf_attention()
+
+
+def _build(arch, attn, seed=0):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=512, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    if arch == "llama":
+        cfg = LlamaConfig(**common)
+    elif arch == "llama_untied_bias":  # untied lm_head, biases on q/k/v/o
+        cfg = LlamaConfig(**common, tie_word_embeddings=False, attention_bias=True)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common)
+    else:
+        raise AssertionError(arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
+    with torch.no_grad():  # random init gives logits of ~0.5 and near-ties; sharpen them
+        model.lm_head.weight.mul_(50)
+    return model
+
+
+def _prompts(lengths, seed=1):
+    """A left-padded batch: ids [B, max_len] and attention_mask (0 on the left pads)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, 512, (n,), generator=gen)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def _eager(arch, ids, mask, **kw):
+    """Greedy sequences of the sdpa model, after checking every chosen token won by a clear margin
+    (so exact token equality with another code path is meaningful on any CPU)."""
+    model = _build(arch, "sdpa")
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, output_scores=True, return_dict_in_generate=True, **kw)
+    for scores in out.scores:
+        top = scores.float().topk(2, dim=-1).values
+        assert (top[:, 0] - top[:, 1]).min().item() > MIN_GREEDY_MARGIN, "near-tie in the reference; change the seed"
+    return out.sequences
+
+
+def _config(**kw):
+    kw.setdefault("backend", "eager")
+    kw.setdefault("max_model_len", 256)
+    return CompilationConfig(max_num_tokens=256, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_untied_bias", "qwen2"])
+@pytest.mark.parametrize("spelling", [{}, {"cache_implementation": "static"}, {"use_cache": False}],
+                         ids=["dynamic_cache", "static_cache", "no_cache"])
+@pytest.mark.parametrize("path", ["compiled.generate", "forward_assigned"])
+def test_greedy_tokens_equal_sdpa_eager(arch, spelling, path):
+    ids, mask = _prompts([5, 9, 2])
+    kw = dict(max_new_tokens=10, **spelling)
+    expected = _eager(arch, ids, mask, **kw)
+    model = _build(arch, "piecewise")
+    compiled = pw.compile(model, _config())
+    if path == "compiled.generate":
+        got = compiled.generate(ids, attention_mask=mask, do_sample=False, **kw)
+        assert "forward" not in model.__dict__, "generate() leaves no assignment behind"
+    else:
+        model.forward = compiled
+        got = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    assert torch.equal(got, expected), f"\n{got.tolist()}\n{expected.tolist()}"
+    assert counters.recompiles == 0
+
+
+def test_inductor_pieces():
+    ids, mask = _prompts([7, 3])
+    expected = _eager("llama", ids, mask, max_new_tokens=8)
+    compiled = pw.compile(_build("llama", "piecewise"), _config(backend="inductor"))
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), expected)
+
+
+def test_ten_generate_calls_of_any_batch_and_length_trace_once():
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config())
+    cases = [([1], 3), ([200], 5), ([4, 9], 7), ([1, 1, 1], 2), ([30, 2, 17, 5], 9), ([64] * 5, 4), ([3, 120, 7, 1, 2, 9], 6),
+             ([11] * 7, 3), ([2, 4, 8, 16, 32, 64, 100, 128], 5), ([6], 12)]
+    for lengths, new in cases:
+        ids, mask = _prompts(lengths, seed=len(lengths) + new)
+        expected = _eager("llama", ids, mask, max_new_tokens=new)
+        got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
+        assert torch.equal(got, expected), (lengths, new)
+    step = counters.by_tag[f"{compiled.tag}_generate"]
+    assert step.dynamo_traces == 1 and counters.recompiles == 0
+
+
+def test_the_kv_cache_stays_at_one_address_across_generate_calls():
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    ids, mask = _prompts([4, 6])
+    compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    route = compiled._route
+    before = [t.data_ptr() for pair in route.step.caches() for t in pair]
+    ids, mask = _prompts([9])
+    compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5)
+    assert [t.data_ptr() for pair in route.step.caches() for t in pair] == before
+
+
+def test_limits_are_typed_errors_before_any_compile():
+    compiled = pw.compile(_build("llama", "piecewise"), _config(max_num_seqs=2, max_model_len=32))
+    ids, mask = _prompts([3, 3, 3])
+    with pytest.raises(pw.InputError, match="max_num_seqs=2"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+    ids, mask = _prompts([30])
+    with pytest.raises(pw.InputError, match="max_model_len=32"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5)
+    assert counters.dynamo_traces == 0
+
+
+def test_generate_on_a_model_without_piecewise_attention_says_so():
+    compiled = pw.compile(_build("llama", "sdpa"), _config())
+    ids, mask = _prompts([3])
+    with pytest.raises(pw.ConfigError, match="attn_implementation='piecewise'"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+
+
+def test_plain_forward_still_runs_the_traced_forward():
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config(), dynamic_arg_dims={"input_ids": 1})
+    ids, _ = _prompts([6])
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, _build("llama", "sdpa")(ids).logits, rtol=1e-4, atol=1e-4)
