@@ -137,10 +137,10 @@ def _tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
-def test_gguf_checkpoint_is_cached_by_the_files_sha256(tmp_path, monkeypatch):
-    """`load_gguf_causal_lm` with transformers' GGUF reading replaced by a tiny model: the first load
-    dequantises ("reads the GGUF") and caches, the second reads the cache, both return the same
-    weights; a file with other bytes is another entry."""
+@pytest.fixture
+def fake_gguf(monkeypatch):
+    """transformers' GGUF reading replaced by a tiny Llama and a word-level tokenizer; returns the
+    list of GGUF file names read."""
     import transformers
 
     reads = []
@@ -157,6 +157,14 @@ def test_gguf_checkpoint_is_cached_by_the_files_sha256(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake_tok)
+    return reads
+
+
+def test_gguf_checkpoint_is_cached_by_the_files_sha256(tmp_path, fake_gguf):
+    """`load_gguf_causal_lm` with a fake GGUF reader: the first load dequantises ("reads the GGUF")
+    and caches, the second reads the cache, both return the same weights; a file with other bytes
+    is another entry."""
+    reads = fake_gguf
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF fake checkpoint")
     root = tmp_path / "root"
@@ -177,6 +185,18 @@ def test_gguf_checkpoint_is_cached_by_the_files_sha256(tmp_path, monkeypatch):
     gguf.write_bytes(b"GGUF another checkpoint")
     weights.load_gguf_causal_lm(gguf, cache_root=root, dtype=torch.bfloat16)
     assert reads == ["tiny.gguf"] * 2 and len(list((root / "weights").glob("gguf-*"))) == 2
+
+
+def test_gguf_checkpoint_without_a_cache_is_read_in_memory(tmp_path, fake_gguf, monkeypatch):
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF fake checkpoint")
+    monkeypatch.setenv("PIECEWISE_DISABLE_CACHE", "1")
+    for _ in range(2):
+        model, tok = weights.load_gguf_causal_lm(gguf, cache_root=tmp_path / "root", dtype=torch.bfloat16,
+                                                 attn_implementation="eager")
+        assert model.dtype == torch.bfloat16 and model.config._attn_implementation == "eager"
+    assert fake_gguf == ["tiny.gguf"] * 2 and not (tmp_path / "root").exists()
+    assert tok("b a")["input_ids"] == [2, 1]
 
 
 def test_missing_smollm2_wheel_names_the_pip_command(monkeypatch):

@@ -273,18 +273,22 @@ def load_gguf_causal_lm(
     path = Path(path)
     built: dict[str, Any] = {}
 
-    def build(out: Path) -> None:
+    def read_gguf() -> None:
         start = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         built.update(model=model, tokenizer=tokenizer)
         log.info("dequantised %s in %.1f s", path.name, time.perf_counter() - start)
+
+    def build(out: Path) -> None:
+        read_gguf()
+        model = built["model"]
         # The weights are dequantised now: save them as an ordinary float32 checkpoint.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None
         model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        built["tokenizer"].save_pretrained(out)
 
     if attn_implementation == "piecewise":
         from .hf import register_hf_attention
@@ -293,12 +297,8 @@ def load_gguf_causal_lm(
     found = cached_dir(f"gguf-{_source_sha256(path)}", build, cache_root=cache_root,
                        meta={"source": path.name, "dtype": "float32"})
     if found.path is None:
-        if not built:
-            build_dir = Path(tempfile.mkdtemp(prefix="piecewise-gguf-"))
-            try:
-                build(build_dir)
-            finally:
-                shutil.rmtree(build_dir, ignore_errors=True)
+        if not built:  # the cache is off or untrusted: nothing was built
+            read_gguf()
         model, tokenizer = built["model"], built["tokenizer"]
         model = model.to(dtype) if dtype != torch.float32 else model
         model.set_attn_implementation(attn_implementation)
