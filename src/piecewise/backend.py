@@ -502,11 +502,64 @@ def _progress(total: int, desc: str):
     return _NoProgress()
 
 
-def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """``torch.compile(model, backend="piecewise")``: a fresh backend per graph, default config
-    (from the environment, see `CompilationConfig.from_env`)."""
+def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
+                   mode: str | None = None) -> Callable[..., Any]:
+    """``torch.compile(model, backend="piecewise")``: a fresh backend per graph, config from the
+    environment (`CompilationConfig.from_env`) with ``torch.compile(..., options={...})`` fields on top
+    (``options={"backend": "eager", "max_num_tokens": 512}``).
+
+    Dynamo decides shapes before a backend sees a graph: without ``dynamic=True`` or
+    ``torch._dynamo.mark_dynamic(x, dim)`` the first graph is static, the first call with another
+    length makes Dynamo recompile with that dim dynamic (automatic dynamic shapes), and a call of
+    length 1 after a dynamic graph compiles once more (Dynamo specialises sizes 0 and 1). Every graph
+    Dynamo hands over for a frame after its first is counted in ``recompiles`` and logged at INFO
+    with Dynamo's reason; graph-break pieces of one compile are not recompiles.
+    """
     from .api import unique_tag
 
-    config = CompilationConfig.from_env()
+    if mode is not None:
+        from .errors import ConfigError
+
+        raise ConfigError(f"torch.compile(..., mode={mode!r}) is not a piecewise setting; pass CompilationConfig fields "
+                          "as options={...} (e.g. options={'cudagraph_mode': 'full'})")
+    config = CompilationConfig.from_env(**dict(options or {}))
     tag = unique_tag(config.tag or "torch_compile")
+    recompile = _dynamo_recompile()
+    if recompile is not None:
+        counters.bump("recompiles", tag=tag)
+        log.info("[%s] Dynamo recompiled %s (graph %s of that frame): %s", tag, *recompile)
     return PiecewiseBackend(config, tag)(gm, example_inputs)
+
+
+_last_dynamo_compile: list[Any] = [None]  # weakref to the TracingContext of the last graph seen
+
+
+def _dynamo_recompile() -> tuple[str, int, str] | None:
+    """``(frame, frame compile number, Dynamo's reason)`` when the graph being compiled is the first
+    of a Dynamo recompile (a frame compiled before: ``frame_compile_id > 0``), else None (a first
+    compile, a later graph of the same compile after a graph break, or no Dynamo context). A
+    compile is told apart by its tracing context: compile ids restart after ``torch._dynamo.reset()``."""
+    import weakref
+
+    cid = torch._guards.CompileContext.current_compile_id()
+    ctx = torch._guards.TracingContext.try_get()
+    n = getattr(cid, "frame_compile_id", None)
+    if ctx is None or n is None:
+        return None
+    last = _last_dynamo_compile[0]
+    if last is not None and last() is ctx:
+        return None  # another graph of the same compile (a graph break)
+    _last_dynamo_compile[0] = weakref.ref(ctx)
+    if n == 0:
+        return None
+    reason = None
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = getattr(get_metrics_context(), "_metrics", {}).get("recompile_reason")
+    except Exception:  # another torch: the count still holds
+        pass
+    codes = getattr(ctx, "traced_code", None) or []
+    code = codes[0] if codes else None  # the frame's own code comes first, then what it inlined
+    where = f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else f"frame {cid}"
+    return where, n + 1, reason or "reason not recorded by this torch"
