@@ -208,7 +208,14 @@ class GenerationRoute:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:  # as transformers derives them: count of real tokens so far
             position_ids = (valid[:batch, :total].long().cumsum(-1) - 1).clamp(min=0)[:, past:]
-        logits = self.compiled(input_ids, position_ids.expand(batch, new).contiguous(), write_pos, valid[:batch])
+        # ``model.forward`` is the compiled model while generate() runs: take it off for the step, so
+        # the trace (and its saved guards) see the model as it is outside generate().
+        assigned = self.model.__dict__.pop("forward", None)
+        try:
+            logits = self.compiled(input_ids, position_ids.expand(batch, new).contiguous(), write_pos, valid[:batch])
+        finally:
+            if assigned is not None:
+                self.model.__dict__["forward"] = assigned
         self._past = total if cache is not None else 0
         keep = kwargs.get("logits_to_keep", 0)
         if isinstance(keep, int) and keep > 0:
