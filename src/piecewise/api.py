@@ -357,6 +357,7 @@ def compile(
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"piecewise.compile takes a torch.nn.Module, got {type(model).__name__}; wrap the function in a module")
     config = config or CompilationConfig()
-    if dynamic_arg_dims is None:
+    compiled = CompiledModel(model, config, dynamic_arg_dims or {})
+    if dynamic_arg_dims is None and compiled._route is None:  # a generation route knows its own dims
         warnings.warn("piecewise.compile without dynamic_arg_dims compiles static shapes; every shape is frozen", stacklevel=2)
-    return CompiledModel(model, config, dynamic_arg_dims or {})
+    return compiled

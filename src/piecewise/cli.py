@@ -1,4 +1,4 @@
-"""The ``piecewise`` command line: ``demo`` and ``cache ls | show | verify | explain | clear |
+"""The ``piecewise`` command line: ``demo``, ``generate "prompt"``, ``bench`` and ``cache ls | show | verify | explain | clear |
 export | import``. Exit status 0 on success, 1 when ``verify`` finds a problem or the demo's outputs
 differ from eager, 2 on usage errors."""
 
@@ -15,6 +15,16 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(layers=args.layers, minilm=not args.no_minilm)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .models.chat import answer, print_stream
+
+    result = answer(args.prompt, engine=args.engine, max_new_tokens=args.max_new_tokens, backend=args.backend,
+                    compiled=not args.no_compile, stream=print_stream)
+    print()
+    print(result.summary(), file=sys.stderr)
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -102,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", type=int, default=2, help="decoder layers of the demo models (default 2)")
     d.add_argument("--no-minilm", action="store_true", help="skip the pretrained MiniLM sentence-embedding part")
     d.set_defaults(func=_demo)
+
+    g = sub.add_parser("generate", help="answer a chat prompt with SmolLM2-135M-Instruct, compiled, streaming tokens")
+    g.add_argument("prompt", help="the user's message (the model's chat template is applied)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens (default 64)")
+    g.add_argument("--engine", choices=("hf", "decoder"), default="hf",
+                   help="hf: transformers generate() compiled; decoder: the reference decoder's batching loop")
+    g.add_argument("--backend", choices=("inductor", "eager"), default="inductor", help="compiler adaptor (default inductor)")
+    g.add_argument("--no-compile", action="store_true", help="run eagerly, without piecewise (the reference)")
+    g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="benchmark eager, torch.compile and piecewise side by side (minutes)")
     b.add_argument("--layers", default="2,8,32", help="layer counts for cold/warm start (default 2,8,32)")

