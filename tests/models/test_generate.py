@@ -141,3 +141,24 @@ def test_plain_forward_still_runs_the_traced_forward():
     ids, _ = _prompts([6])
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids).logits, _build("llama", "sdpa")(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_smollm2_chat_answer_streams_and_equals_eager_for_both_engines(session_dir):
+    """Real weights: SmolLM2-135M-Instruct answers a chat turn through compiled generate() and through
+    the reference decoder's loop with the same tokens as transformers eager; the streamed text is
+    the answer. Shares the weight cache dir with tests/models/test_weights.py."""
+    import os
+
+    from piecewise.models import chat, weights
+
+    loaded = weights.load_smollm2(os.path.join(session_dir, "weights-cache"))
+    question = "What is the capital of France?"
+    reference = chat.answer(question, engine="hf", compiled=False, max_new_tokens=8, loaded=loaded)
+    assert reference.text.startswith("The capital of France is Paris")
+    for engine in ("hf", "decoder"):
+        pieces = []
+        got = chat.answer(question, engine=engine, backend="eager", max_new_tokens=8, loaded=loaded, stream=pieces.append)
+        assert got.tokens == reference.tokens, engine
+        assert "".join(pieces) == got.text and got.first_token_s <= got.total_s
+    assert loaded[0].config._attn_implementation == "sdpa", "the hf engine restores the model's attention"
+    assert counters.recompiles == 0
