@@ -18,7 +18,11 @@ included (``torch.compile(...).aot_compile`` drops every global guard): identity
 (``ID_MATCH``, ``FUNCTION_MATCH`` and kin) are left out, and so are the
 per-parameter and per-submodule guards the module fingerprint already decides (`_fingerprinted`);
 what they protect is covered by the bundle's source hashes and module fingerprint
-(`piecewise.cache.bundle`).
+(`piecewise.cache.bundle`). Dynamo rebuilds a loaded guard on a global from the saved globals, and
+a module or class is saved by reference, so ``G['cfg'].SCALE == 2.0`` would be rebuilt with the live
+value; the value each saved global guard compares is therefore recorded at trace time
+(`Capture.global_values`, canonical data) and compared with the live one before a warm start
+(`changed_globals`). A value with no canonical record means no bundle (logged).
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class Capture:
         traced_code: the code objects Dynamo inlined (their files enter the cache key).
         why_not_saved: why `guards_state` is None, for the log.
         object_guards: guard manager of the guards on object arguments (see `capture`), or None.
+        global_values: what each saved guard on a global compares, recorded at trace time
+            (``"<guard type> <source>"`` -> canonical value, `_recorded`); a warm start compares them
+            with the live values (`changed_globals`).
     """
 
     runtime_env: Any
@@ -64,6 +71,7 @@ class Capture:
     traced_code: list[types.CodeType]
     why_not_saved: str = ""
     object_guards: Any = None
+    global_values: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def function(self, module_globals: dict[str, Any]) -> types.FunctionType:
         """The transformed ``forward`` as a plain function ``f(self, *args, **kwargs)``.
@@ -101,6 +109,7 @@ class Capture:
             "backend_id": self.backend_id,
             "original_code": SerializedCode.from_code_object(self.original_code),
             "guards_state": self.guards_state,
+            "global_values": self.global_values,
         }
         buf = io.BytesIO()
         pickler = AOTCompilePickler({}, buf)
@@ -133,12 +142,123 @@ def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.
     if (original.co_code, original.co_consts, original.co_names, original.co_freevars) != (
             live.co_code, live.co_consts, live.co_names, live.co_freevars):
         raise ValueError(f"the bundle was traced from another {forward.__qualname__}")
-    # Guards on globals read the module's live values; names Dynamo installed (import aliases, its
-    # own globals) exist only in this scope, as they will for the transformed code.
-    scope = {**{a: importlib.import_module(m) for a, m in env.import_sources.items()}, **env.used_globals,
-             **forward.__globals__}
-    guards = load_guard_manager(load_guards_state(state["guards_state"]), original, scope)
-    return Capture(env, state["backend_id"], compiled_fn, original, guards, state["guards_state"], [])
+    guards = load_guard_manager(load_guards_state(state["guards_state"]), original, _runtime_scope(env, forward))
+    return Capture(env, state["backend_id"], compiled_fn, original, guards, state["guards_state"], [],
+                   global_values=state["global_values"])
+
+
+def _runtime_scope(env: Any, forward: types.FunctionType) -> dict[str, Any]:
+    """The globals saved guards read in this process: the module's live values; names Dynamo
+    installed (import aliases, its own globals) exist only in this scope, as they will for the
+    transformed code."""
+    return {**{a: importlib.import_module(m) for a, m in env.import_sources.items()}, **env.used_globals,
+            **forward.__globals__}
+
+
+def changed_globals(cap: Capture, forward: types.FunctionType) -> list[str]:
+    """The saved guards on globals whose live value differs from the one recorded at trace time.
+
+    Dynamo rebuilds a loaded guard with the value found in the saved globals; a module or class is
+    saved by reference, so a guard reaching through one (``G['cfg'].SCALE == 2.0``, ``cfg`` set
+    from an environment variable at import) would be rebuilt with the live value and always pass.
+    Each recorded source is evaluated against this process's globals instead and compared with the
+    recording (`_recorded`); one that cannot be read now counts as changed."""
+    if not cap.global_values:
+        return []
+    import builtins
+
+    scope = {"G": _runtime_scope(cap.runtime_env, forward), "L": {}}
+    helpers = {**_closure_vars(), "__builtins__": builtins}
+    out = []
+    for key, was in cap.global_values.items():
+        guard_type, source = key.split(" ", 1)
+        try:
+            now = _recorded(guard_type, eval(source, helpers, scope))  # noqa: S307 - a Dynamo source name we saved
+        except Exception as e:
+            out.append(f"{source} cannot be read ({type(e).__name__}: {e})")
+            continue
+        if now != was:
+            out.append(f"{source} is {_show(now)}, traced with {_show(was)}")
+    return out
+
+
+def _closure_vars() -> dict[str, Any]:
+    """The helper names Dynamo's source names may call (``___odict_getitem`` and kin)."""
+    try:
+        from torch._dynamo.guards import _get_closure_vars
+
+        return dict(_get_closure_vars())
+    except Exception:  # another torch: sources of the plain kinds need none
+        return {}
+
+
+def _show(recorded: Any) -> str:
+    """A record as the user wrote the value (``3.0``, ``'a'``), else the record itself, shortened."""
+    if isinstance(recorded, tuple) and len(recorded) == 2 and recorded[0] in ("float", "complex"):
+        return recorded[1]
+    if isinstance(recorded, tuple) and len(recorded) == 2 and recorded[0] in ("bool", "int", "str", "bytes", "NoneType"):
+        return repr(recorded[1])
+    text = repr(recorded)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class Unrecordable(Exception):
+    """A guarded global value with no canonical record (an object compared by ``==`` of its own)."""
+
+
+def _type_name(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _canonical(v: Any, depth: int = 0) -> Any:
+    """A picklable record of `v` (primitives, containers of them, dtypes, devices, enums, types)
+    that compares equal exactly when the values do, type included (``2`` and ``2.0`` differ).
+
+    Raises:
+        Unrecordable: any other object (its ``==`` is its own), or nesting deeper than 32.
+    """
+    import enum
+
+    t = type(v)
+    if depth > 32:
+        raise Unrecordable("nested too deep")
+    if isinstance(v, enum.Enum):
+        return ("enum", _type_name(t), v.name)
+    if t in (bool, int, str, bytes, type(None)):
+        return (t.__name__, v)
+    if t in (float, complex):
+        return (t.__name__, repr(v))  # repr: nan equals nan, -0.0 differs from 0.0
+    if t in (torch.dtype, torch.device, torch.layout, torch.memory_format):
+        return (t.__name__, str(v))
+    if isinstance(v, type):
+        return ("type", _type_name(v))
+    if isinstance(v, (tuple, list)) and (t in (tuple, list, torch.Size) or hasattr(v, "_fields")):
+        return (_type_name(t), tuple(_canonical(x, depth + 1) for x in v))
+    if isinstance(v, dict) and t.__module__ in ("builtins", "collections"):
+        return (_type_name(t), tuple((_canonical(k, depth + 1), _canonical(x, depth + 1)) for k, x in v.items()))
+    if t in (set, frozenset):
+        return (t.__name__, tuple(sorted((_canonical(x, depth + 1) for x in v), key=repr)))
+    if t in (range, slice):
+        return (t.__name__, tuple(_canonical(x, depth + 1) for x in (v.start, v.stop, v.step)))
+    raise Unrecordable(f"a {_type_name(t)}")
+
+
+def _recorded(guard_type: str, value: Any) -> Any:
+    """What a guard of `guard_type` compares about `value`, as a canonical record.
+
+    Raises:
+        Unrecordable: see `_canonical`.
+    """
+    if guard_type == "TYPE_MATCH":
+        return _type_name(type(value))
+    if guard_type in ("LENGTH_CHECK", "DICT_LENGTH"):
+        return len(value)
+    if guard_type == "DICT_KEYS_MATCH":
+        return tuple(_canonical(k) for k in dict.keys(value)) if isinstance(value, dict) else _canonical(tuple(value))
+    if guard_type == "TENSOR_MATCH":
+        return (_type_name(type(value)), str(value.dtype), str(value.device), tuple(value.shape), tuple(value.stride()),
+                bool(value.requires_grad))
+    return _canonical(value)
 
 
 #: guards on globals kept in a bundle: they compare values (numbers, strings, tuples, tensor
@@ -146,6 +266,10 @@ def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.
 _GLOBAL_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TENSOR_MATCH", "LENGTH_CHECK", "DICT_LENGTH",
                                   "DICT_KEYS_MATCH", "TYPE_MATCH"})
 
+
+#: globals of piecewise's own modules (Dynamo's import aliases for them): process bookkeeping such
+#: as the state epoch (`piecewise.state`), which traced registration hooks read; not model inputs
+_OWN_STATE = ("G['__import_piecewise_dot_", "G['__import_piecewise']")
 
 _SUBMODULE_STEP = re.compile(r"\._modules\[(['\"])(.+?)\1\]")
 _MODULE_DICTS = ("._modules", "._parameters", "._buffers")
@@ -281,11 +405,26 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
         # live closure, whose code the source hashes cover
         closure_sources = tuple(p for v in fn.__code__.co_freevars for p in (f"{v}.", f"{v}[", f"L['{v}']")) + tuple(fn.__code__.co_freevars)
 
+        # what each saved guard on a global compares, as traced: a warm start compares it with the
+        # live value itself (`changed_globals`), with or without Dynamo's own global guards saved
+        global_values: dict[str, Any] = {}
+        unrecorded: list[str] = []
+
         def serialisable(entries, with_globals=True):
-            return [not (g.guard_type in unsupported or any(t in unsupported for t in g.derived_guard_types)
+            keep = [not (g.guard_type in unsupported or any(t in unsupported for t in g.derived_guard_types)
                          or _fingerprinted(g, module) or (closure_sources and g.name.startswith(closure_sources))
-                         or (g.is_global and (not with_globals or g.guard_type not in _GLOBAL_VALUE_GUARDS)))
+                         or (g.is_global and g.guard_type not in _GLOBAL_VALUE_GUARDS))
                     for g in entries]
+            for g, k in zip(entries, keep):
+                if k and g.is_global and not g.orig_guard.name.startswith(_OWN_STATE):
+                    name = g.orig_guard.name
+                    try:
+                        if not g.has_value:
+                            raise Unrecordable("no value")
+                        global_values[f"{g.guard_type} {name}"] = _recorded(g.guard_type, g.value)
+                    except Exception as e:
+                        unrecorded.append(f"{name} ({g.guard_type}: {e})")
+            return [k and not (g.is_global and not with_globals) for g, k in zip(entries, keep)]
 
         guards_state: bytes | None = None
         why = ""
@@ -306,10 +445,13 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
                     og.guard_on_key_order = key_order
                 guards_state, manager = check.guards_state, check.guard_manager
                 if not with_globals:
-                    log.info("guards on global values could not be saved (%s); the bundle relies on source hashes for them", why)
+                    log.info("Dynamo's guards on global values could not be saved (%s); the bundle compares the recorded "
+                             "values itself", why)
                 break
             except Exception as e:  # a guard PyTorch cannot serialise: run fine, just no warm bundle
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if unrecorded and guards_state is not None:
+            guards_state, why = None, f"the guarded value of global {unrecorded[0]} cannot be recorded for a warm start"
         if full_guards or manager is None:
             manager = gco.build_guards(fn.__code__).guard_manager
         object_guards = None
@@ -324,7 +466,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
         if name.startswith("___") and name not in env.used_globals and name not in env.import_sources and name in gco.f_globals:
             env.used_globals[name] = gco.f_globals[name]
     return Capture(env, bi.backend_id, compiled, fn.__code__, manager, guards_state, list(gco.traced_code), why,
-                   object_guards)
+                   object_guards, global_values=global_values)
 
 
 _ROOT = re.compile(r"(?:L\[['\"](\w+)['\"]\]|([A-Za-z_]\w*))")

@@ -56,12 +56,18 @@ def _medians_ms(sizes: Sequence[int], seconds: Sequence[float]) -> dict[int, flo
 
 
 def _cache_state(cm) -> str:
+    """How the first call started; a start that traced says why no warm-start bundle served it."""
+    from .cache.bundle import miss_reasons
+
     t = counters.by_tag[cm.tag]
     if t.bundle_hits:
         return f"warm, no trace ({t.cache_loads} loaded)"
+    why = miss_reasons.get(cm.tag)
+    why = why.replace("|", "/") if why else why
+    why = f"; traced: {why[:100]}{'...' if len(why) > 100 else ''}" if why and t.bundle_misses else ""
     if t.cache_hits:
-        return f"warm ({t.cache_loads} loaded)"
-    return "cold" if t.cache_misses else "off"
+        return f"warm ({t.cache_loads} loaded{why})"
+    return f"cold{why}" if t.cache_misses else "off"
 
 
 def _after_warmup(run: Callable[[], Any]) -> tuple[Any, int]:

@@ -486,3 +486,67 @@ def test_guards_left_to_the_fingerprint_are_only_those_it_records():
     assert not covers("L['self'].deep", m, by_value=True)
     assert not covers("L['self']._modules['blocks']._modules['7']", m)  # no such submodule
     assert not covers("L['self'].forward", m) and not covers("L['x']", m)
+
+
+# -- globals read through modules, objects and dicts (case B01) ---------------------------------
+
+VALUE_MODEL = '''
+import os
+
+import torch
+from torch import nn
+{imports}
+
+
+class Model(nn.Module):
+    dim = 8
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.ops.piecewise_models.toy_attention(x, x, x)
+        return self.lin(x) * {expr}
+'''
+
+#: how forward reaches a constant set from PW_TEST_VALUE at import: (imports, expression)
+VALUE_READS = {
+    "module_attribute": ("import pwt_cfg", "pwt_cfg.X"),
+    "nested_attribute": ("import pwt_cfg", "pwt_cfg.sub.X"),
+    "from_package_import_module": ("from pwt_pkg import mod", "mod.X"),
+    "global_dict_value": ('TABLE = {"scale": float(os.environ.get("PW_TEST_VALUE", "2.0")), "other": 1}', 'TABLE["scale"]'),
+}
+
+
+def _value_setup(tmp_path, read: str) -> tuple[str, dict]:
+    (tmp_path / "pwt_cfg.py").write_text(
+        'import os\nimport types\n\nX = float(os.environ.get("PW_TEST_VALUE", "2.0"))\nsub = types.SimpleNamespace(X=X * 10)\n')
+    (tmp_path / "pwt_pkg").mkdir()
+    (tmp_path / "pwt_pkg" / "__init__.py").write_text("")
+    (tmp_path / "pwt_pkg" / "mod.py").write_text('import os\n\nX = float(os.environ.get("PW_TEST_VALUE", "2.0")) + 0.5\n')
+    imports, expr = VALUE_READS[read]
+    return _source(tmp_path, VALUE_MODEL.format(imports=imports, expr=expr)), {"PYTHONPATH": str(tmp_path)}
+
+
+@pytest.mark.parametrize("read", sorted(VALUE_READS))
+def test_a_global_reached_through_a_module_object_or_dict_is_compared_with_its_traced_value(tmp_path, read):
+    """The saved guard ``G['pwt_cfg'].X == 2.0`` was rebuilt at load from the live module (``== 3.0``)
+    and always passed: the bundle compares what was recorded at trace time instead."""
+    root = str(tmp_path / "c")
+    src, env = _value_setup(tmp_path, read)
+
+    def run_with(value: str) -> tuple[dict, Counter]:
+        report = run_worker(root, "--source", src, env={**env, "PW_TEST_VALUE": value})
+        return report, Counter(report["counters"])
+
+    cold, c = run_with("2.0")
+    assert cold["equal"] and (c["dynamo_traces"], c["bundles_saved"]) == (1, 1)
+    other, c = run_with("3.0")
+    assert other["equal"], f"the bundle traced with 2.0 ran with 3.0 ({read})"
+    assert (c["dynamo_traces"], c["bundle_misses"], c["bundle_hits"], c["bundles_saved"]) == (1, 1, 0, 1)
+    again, c = run_with("3.0")
+    assert again["equal"] and (c["dynamo_traces"], c["bundle_hits"]) == (0, 1)
+    back, c = run_with("2.0")  # the first value's bundle was kept next to the second's
+    assert back["equal"] and (c["dynamo_traces"], c["bundle_hits"]) == (0, 1)
+    assert len(bundle_entries(root)) == 2

@@ -14,18 +14,27 @@ damaged bundle, which is also moved aside):
 
 1. the bundle entry's index and the bundle's sha256 (`CacheEntry`, as for every artifact);
 2. every traced source file still hashes to the recorded sha256 (an edit forces a retrace);
-3. PyTorch's own compatibility record (Python and torch versions, GPU) and the guards, evaluated on
+3. the values of globals ``forward`` read, as recorded at trace time (`piecewise.capture.changed_globals`),
+   then PyTorch's own compatibility record (Python and torch versions, GPU) and the guards, evaluated on
    the first call's arguments - constructor arguments that change the graph change a guarded value
    (a tensor shape, a constant attribute, a container length) even when the fingerprint misses them;
 4. every piece artifact of the compile entry loads (a missing one: trace, which recompiles just it).
 
-The bundle lives in its own entry ``<root>/<start key>/rank_<r>_<dp>/<tag>/`` with an index and one
-artifact ``bundle``, so permissions, locking, checksums, quarantine and the CLI tools apply
+A bundle lives in its own entry ``<root>/<start key>-<variant>/rank_<r>_<dp>/<tag>/`` with an index
+and one artifact ``bundle``, so permissions, locking, checksums, quarantine and the CLI tools apply
 unchanged. Its index meta names the compile entry (``compile_key``) holding the piece artifacts.
+The *variant* (`bundle_variant`) is what only a trace knows: traced source hashes, the files of the
+traced modules and the recorded values of the globals ``forward`` read. One start key can thus hold
+several bundles (two scripts both defining ``__main__.Model``, a global set from the environment
+with two values); a warm start tries them most recently saved or used first and takes the first
+that validates. Saving prunes the tag's bundles to `BUNDLES_PER_TAG` (least recently saved or used
+go first). A miss logs every candidate's reason at INFO, or - no bundle for the start key - which
+start factors differ from the newest bundle of the tag.
 
 Left out of the fingerprint, protected only by the guards: values hidden in objects the fingerprint
 does not walk (attributes of attributes beyond two levels, ``__slots__``) and values of module
-globals read by ``forward``. Identity guards (on global functions, modules, classes) are not saved;
+globals read by ``forward`` (directly, through an imported module's attributes, or in a global
+dict: compared with their recorded values). Identity guards (on global functions, modules, classes) are not saved;
 the traced source files' hashes stand in for them.
 """
 
@@ -39,6 +48,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import sys
 import types
 from collections.abc import Mapping
@@ -46,6 +56,7 @@ from typing import Any
 
 import torch
 
+from ..fingerprint import code_digest
 from .key import KEY_FORMAT, compute_key, env_factors, file_hashes
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fingerprint", "encode_bundle", "decode_bundle",
@@ -54,7 +65,7 @@ __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fing
 log = logging.getLogger("piecewise")
 
 #: Bump when the bundle's layout or meaning changes: old bundles then miss (different start key).
-BUNDLE_FORMAT = 2
+BUNDLE_FORMAT = 3
 #: The artifact name of the bundle inside its entry.
 BUNDLE = "bundle"
 
@@ -88,13 +99,13 @@ def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
         return {str(k): _describe(x, depth - 1, memo) for k, x in v.items()}
     code = getattr(v, "__code__", None)
     if isinstance(code, types.CodeType):  # functions and lambdas held as attributes
-        return ["function", getattr(v, "__qualname__", "?"), _code_hash(code)]
+        return ["function", getattr(v, "__qualname__", "?"), code_digest(code)]
     if id(v) in memo:
         return memo[id(v)]
     to_dict = getattr(v, "to_dict", None)
     if callable(to_dict) and not isinstance(v, type):  # configuration objects (transformers' PretrainedConfig)
         try:
-            out = [type(v).__qualname__, json.dumps(to_dict(), sort_keys=True, default=str)]
+            out = [type(v).__qualname__, json.dumps(to_dict(), sort_keys=True, default=_json_default)]
         except Exception:
             out = type(v).__qualname__
     elif dataclasses.is_dataclass(v) and not isinstance(v, type):
@@ -107,14 +118,15 @@ def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
     return out
 
 
-def _code_hash(code: types.CodeType) -> str:
-    """A hash of a code object's bytecode, names and constants, nested code included; stable across
-    processes (a nested code object's repr carries its address)."""
-    h = hashlib.sha256(code.co_code)
-    h.update(repr(code.co_names).encode())
-    for c in code.co_consts:
-        h.update(_code_hash(c).encode() if isinstance(c, types.CodeType) else repr(c).encode())
-    return h.hexdigest()[:12]
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _json_default(o: Any) -> Any:
+    """JSON for what `json.dumps` cannot write, the same in every process: sets sorted (their
+    order follows string hashes, which change per process), addresses dropped from reprs."""
+    if isinstance(o, (set, frozenset)):
+        return sorted(_ADDRESS.sub("", repr(x)) for x in o)
+    return _ADDRESS.sub("", str(o))
 
 
 def module_fingerprint(module: torch.nn.Module) -> str:
@@ -147,7 +159,7 @@ def module_fingerprint(module: torch.nn.Module) -> str:
         attrs = {k + alias(v, f"{name}.{k}"): _describe(v, 2, memo)
                  for k, v in sorted(m.__dict__.items()) if k not in _MODULE_INTERNALS}
         attrs["__class_data__"] = _class_data(type(m), memo)
-        h.update(json.dumps(attrs, sort_keys=True, default=str).encode())
+        h.update(json.dumps(attrs, sort_keys=True, default=_json_default).encode())
     return h.hexdigest()
 
 
@@ -295,7 +307,7 @@ def decode_bundle(data: bytes) -> dict[str, Any]:
 
 
 class _Laps:
-    """Records the seconds since the previous lap under each name."""
+    """Adds the seconds since the previous lap under each name."""
 
     def __init__(self, into: dict[str, float]) -> None:
         import time
@@ -305,30 +317,110 @@ class _Laps:
 
     def __call__(self, name: str) -> None:
         now = self.clock()
-        self.into[name] = now - self.last
+        self.into[name] = self.into.get(name, 0.0) + now - self.last
         self.last = now
+
+
+def bundle_variant(sources: Mapping[str, str], modules: Mapping[str, str], global_values: Mapping[str, Any]) -> str:
+    """What tells apart bundles of one start key, known only after a trace: the traced source files
+    and their hashes, the files the traced modules came from (two scripts both run as ``__main__``,
+    two checkouts) and the recorded values of the globals ``forward`` read (a constant set from an
+    environment variable). Each variant is an entry of its own, ``<start key>-<variant>``."""
+    blob = json.dumps([sorted(sources.items()), sorted(modules.items()), sorted((k, repr(v)) for k, v in global_values.items())])
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+
+
+def bundle_entries(root: str, tag: str, rank_dir: str, key_glob: str = "*") -> list[tuple[float, str]]:
+    """``(index mtime, entry path)`` of the bundle entries of `tag` under `root`, most recently
+    saved or used first."""
+    import glob
+
+    from .store import INDEX, IndexError_, read_index
+
+    out = []
+    for f in glob.glob(os.path.join(glob.escape(root), key_glob, rank_dir, glob.escape(tag), INDEX)):
+        if ".deleting." in f:
+            continue
+        try:
+            if read_index(f)["meta"].get("kind") == "bundle":
+                out.append((os.path.getmtime(f), os.path.dirname(f)))
+        except (OSError, IndexError_):
+            continue
+    return sorted(out, reverse=True)
+
+
+def prune_bundles(root: str, tag: str, rank_dir: str, keep: int, protect: str) -> int:
+    """Remove the bundle entries of `tag` beyond the `keep` most recently saved or used (never
+    `protect`, the one just saved); returns how many. Each goes under its writer lock, renamed
+    aside first (`remove_tree`), so a process reading it meanwhile falls back to tracing."""
+    import filelock
+
+    from .store import LOCK, check_permissions, remove_tree
+
+    removed = 0
+    for _, path in bundle_entries(root, tag, rank_dir)[keep:]:
+        if path == protect or check_permissions(root, path):
+            continue
+        try:
+            with filelock.FileLock(os.path.join(path, LOCK), timeout=5):
+                remove_tree(path)
+        except (filelock.Timeout, OSError):
+            continue
+        removed += 1
+        for d in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):  # rank dir, key dir, if empty
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+    return removed
+
+
+#: Bundle entries kept per tag (and rank) under one cache root: saving one more removes the least
+#: recently saved or used beyond this many. Several setups of one tag (two scripts defining
+#: ``__main__.Model``, a global set from the environment with two values, two layer counts) then
+#: each start warm. Override with ``PIECEWISE_BUNDLES_PER_TAG`` (at least 1).
+BUNDLES_PER_TAG = 8
+
+
+def bundles_per_tag() -> int:
+    try:
+        return max(1, int(os.environ.get("PIECEWISE_BUNDLES_PER_TAG", BUNDLES_PER_TAG)))
+    except ValueError:
+        return BUNDLES_PER_TAG
+
+
+#: tag -> why its last first call found no usable bundle (also logged at INFO), for reports such as
+#: the demo's table
+miss_reasons: dict[str, str] = {}
 
 
 class WarmStart:
     """The bundle side of one compiled model's first call.
 
-    `open` looks the bundle up and, when everything validates, leaves `fast` (the transformed
-    forward, ready to call), `backend` (a restored `PiecewiseBackend`) and `guards` set; otherwise
-    `fast` is None and the caller traces, then calls `save`. `open` returns None when no bundle can
-    be used or saved at all (cache disabled, mode ``none``, debug mode).
+    `open` looks the bundles of the start key up (newest first) and, when one validates, leaves
+    `fast` (the transformed forward, ready to call), `backend` (a restored `PiecewiseBackend`) and
+    `guards` set; otherwise `fast` is None and the caller traces, then calls `save`. `open` returns
+    None when no bundle can be used or saved at all (cache disabled, mode ``none``).
     """
 
-    def __init__(self, model: Any, entry: Any, factors: dict[str, Any]) -> None:
+    def __init__(self, model: Any, root: str, key: str, factors: dict[str, Any]) -> None:
+        from .store import current_rank
+
         self.model = model
         self.tag = model.tag
-        self.entry = entry
+        self.root = root
+        self.key = key
+        self.rank = current_rank()
+        self.rank_dir = f"rank_{self.rank}_0"
         self.factors = factors
+        #: the bundle entry that served this start (None: none did)
+        self.entry: Any = None
         self.fast: Any = None
         self.backend: Any = None
         self.guards: Any = None
         self.seconds = 0.0
         #: seconds per warm-start phase: key (fingerprint and start key), prepare (adaptor's
-        #: per-process setup), decode, guards (rebuild), restore (artifact loads and stitching)
+        #: per-process setup), decode, guards (rebuild and checks), restore (artifact loads and stitching)
         self.phases: dict[str, float] = {}
         #: piece artifacts a failed warm start already loaded, handed to the tracing backend
         self.preloaded: dict[str, Any] = {}
@@ -339,7 +431,7 @@ class WarmStart:
 
         from ..backend import PiecewiseBackend
         from ..counters import counters
-        from .store import CacheEntry, current_rank, env_flag, resolve_root
+        from .store import env_flag, resolve_root
 
         config = model.config
         root = resolve_root(config.cache_dir)
@@ -349,63 +441,86 @@ class WarmStart:
         call = model._signature.describe()
         backend = PiecewiseBackend(config, model.tag, call_signature=call)
         factors = start_factors(backend, model.module, call)
-        start = cls(model, CacheEntry(root, start_key(factors), model.tag, rank=current_rank()), factors)
+        start = cls(model, root, start_key(factors), factors)
         start.phases["key"] = time.perf_counter() - t0
         if config.debug:
             return start  # debug mode always traces: it checks the full guards, identity guards included
         try:
             why = start._load(backend, args, kwargs)
         except Exception as e:  # nothing in the cache may crash the model: set the bundle aside, trace
-            start.entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
-            why = "the bundle is unusable"
+            if start.entry is not None:
+                start.entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
+            why = f"the bundle is unusable ({type(e).__name__}: {e})"
         start.seconds = time.perf_counter() - t0
         start.preloaded = backend.preloaded
         if why:
+            start.entry = None
             counters.bump("bundle_misses", tag=model.tag)
             log.info("[%s] no warm start: %s; tracing", model.tag, why)
+            miss_reasons[model.tag] = why
         else:
             counters.bump("bundle_hits", tag=model.tag)
+            miss_reasons.pop(model.tag, None)
         return start
 
+    def _candidates(self) -> list[Any]:
+        """The opened bundle entries of this start key, most recently saved or used first."""
+        from .store import CacheEntry
+
+        out = []
+        for _, path in bundle_entries(self.root, self.tag, self.rank_dir, key_glob=f"{self.key}-*"):
+            entry = CacheEntry(self.root, os.path.basename(os.path.dirname(os.path.dirname(path))), self.tag, rank=self.rank)
+            if entry.open(None):
+                out.append(entry)
+        return out
+
+    def _no_bundle(self) -> str:
+        """Why no bundle exists for this start key: which start factors differ from the newest
+        bundle of this tag (what changed since it was saved), or that there is none."""
+        from .key import diff_factors
+        from .store import FACTORS
+
+        for _, path in bundle_entries(self.root, self.tag, self.rank_dir):
+            try:
+                with open(os.path.join(path, FACTORS)) as f:
+                    old = json.load(f)
+            except (OSError, ValueError):
+                continue
+            diff = diff_factors(old, json.loads(json.dumps(self.factors, default=str)))
+            return (f"no bundle for this start key; the newest bundle of this tag ({os.path.relpath(path, self.root)}) "
+                    f"differs in {', '.join(diff[:6]) or 'nothing recorded (a format change)'}")
+        return f"no bundle of this tag under {self.root}"
+
     def _load(self, backend: Any, args: tuple, kwargs: dict) -> str:
-        """Fill `fast`, `backend` and `guards` from the bundle; returns why not, or ''."""
-        from ..capture import rebuild
+        """Fill `fast`, `backend`, `guards` and `entry` from the first bundle of the start key that
+        validates; returns why none did (every candidate's reason), or ''."""
         from ..errors import CompileError
         from ..split import SplitResult
-        from .store import CacheEntry, current_rank
+        from .store import CacheEntry
 
-        entry = self.entry
-        if not entry.open(None):
-            return f"no bundle under {entry.path}"
+        candidates = self._candidates()
+        if not candidates:
+            return self._no_bundle()
         lap = _Laps(self.phases)
-        backend.adaptor.prepare_load(entry.index["meta"].get("device", "cpu"), entry.root)
-        lap("prepare")
-        payload = entry.load_artifact(BUNDLE)
-        if payload is None:
-            return "the bundle entry has no usable bundle"
-        module_globals = self.model._forward_fn.__globals__
-        try:
-            body = decode_bundle(payload)
-            lap("decode")
-            cap = rebuild(body["dynamo"], None, self.model._forward_fn)
-            lap("guards")
-        except Exception as e:  # damaged beyond the checksum (or written by another build): report, set aside
-            entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
-            return "the bundle is damaged"
-        stale = stale_sources(body["sources"])
-        if stale:
-            return f"traced source {stale[0]} changed since the bundle was made"
-        moved = moved_modules(body["modules"])
-        if moved:
-            return f"module {moved[0]}"
-        f_locals = self.model._f_locals(args, kwargs)
-        if not cap.guard_manager.check(f_locals):
-            failed = cap.guard_manager.check_verbose(f_locals).verbose_code_parts
-            return f"a guard of the bundle fails for this instance or call ({failed[0] if failed else '?'})"
+        reasons = []
+        for entry in candidates:
+            backend.adaptor.prepare_load(entry.index["meta"].get("device", "cpu"), entry.root)
+            lap("prepare")
+            try:
+                why, body, cap = self._check(entry, args, kwargs, lap)
+            except Exception as e:  # damaged beyond the checksum (or written by another build): report, set aside
+                entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
+                why = "the bundle is damaged"
+            if not why:
+                break
+            reasons.append(why if len(candidates) == 1 else f"bundle {entry.key}: {why}")
+        else:
+            return "; ".join(reasons)
+        self.entry = entry
         plan = body["plan"]
         if plan["cache_key"] != entry.index["meta"].get("compile_key"):
             raise ValueError("the bundle and its index name different compile entries")
-        compile_entry = CacheEntry(entry.root, plan["cache_key"], self.tag, rank=current_rank())
+        compile_entry = CacheEntry(entry.root, plan["cache_key"], self.tag, rank=self.rank)
         if not compile_entry.open(plan["cache_meta"]):
             return f"its compile entry {plan['cache_key']} is gone"
         try:
@@ -418,24 +533,70 @@ class WarmStart:
             return "the bundle is damaged"
         lap("restore")
         self.backend, self.guards = backend, cap.guard_manager
-        self.fast = cap.function(module_globals)
+        self.fast = cap.function(self.model._forward_fn.__globals__)
+        try:  # most recently used: kept longest when bundles of this tag are pruned
+            os.utime(os.path.join(entry.path, "index.json"))
+        except OSError:
+            pass
         return ""
 
-    def save(self, backend: Any, cap: Any) -> None:
-        """After a trace: write the bundle for the next process (logged when it cannot be)."""
-        from ..counters import counters
+    def _check(self, entry: Any, args: tuple, kwargs: dict, lap: _Laps) -> tuple[str, Any, Any]:
+        """Decode one bundle and validate it for this process and call: ``(why not, body, capture)``.
 
-        if not self.entry.writable or backend.cache is None or not backend.cache.writable:
+        Raises:
+            Exception: the bundle does not decode (damaged, or written by another build).
+        """
+        from ..capture import changed_globals, rebuild
+
+        payload = entry.load_artifact(BUNDLE)
+        if payload is None:
+            return "the bundle entry has no usable bundle", None, None
+        body = decode_bundle(payload)
+        lap("decode")
+        stale = stale_sources(body["sources"])
+        if stale:
+            return f"traced source {stale[0]} changed since the bundle was made", None, None
+        moved = moved_modules(body["modules"])
+        if moved:
+            return f"module {moved[0]}", None, None
+        cap = rebuild(body["dynamo"], None, self.model._forward_fn)
+        changed = changed_globals(cap, self.model._forward_fn)
+        lap("guards")
+        if changed:
+            return f"a global read by forward changed since the trace: {changed[0]}", None, None
+        f_locals = self.model._f_locals(args, kwargs)
+        if not cap.guard_manager.check(f_locals):
+            failed = cap.guard_manager.check_verbose(f_locals).verbose_code_parts
+            return f"a guard of the bundle fails for this instance or call ({failed[0] if failed else '?'})", None, None
+        return "", body, cap
+
+    def save(self, backend: Any, cap: Any) -> None:
+        """After a trace: write the bundle for the next process (logged when it cannot be), then
+        prune this tag's bundles to `bundles_per_tag`."""
+        from ..counters import counters
+        from .store import CacheEntry
+
+        if backend.cache is None or not backend.cache.writable:
             return
         try:
             plan = backend.plan()
+            sources, modules = file_hashes(backend.traced_files), traced_modules(cap.traced_code)
             data = encode_bundle(backend.split.split_module, [it.name for it in backend.split.items], plan,
-                                 cap.dynamo_state(), file_hashes(backend.traced_files), traced_modules(cap.traced_code))
+                                 cap.dynamo_state(), sources, modules)
         except Exception as e:
             log.info("[%s] no warm-start bundle saved: %s: %s", self.tag, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return
-        if self.entry.save_artifact(BUNDLE, data):
+        key = f"{self.key}-{bundle_variant(sources, modules, cap.global_values)}"
+        entry = CacheEntry(self.root, key, self.tag, rank=self.rank)
+        entry.open(None)  # permissions (an unsafe directory is neither read nor written)
+        if entry.writable and entry.save_artifact(BUNDLE, data):
             meta = {"kind": "bundle", "compile_key": plan["cache_key"], "device": plan["device"]}
-            self.entry.commit(meta, self.factors, backend.graph_code)
-            counters.bump("bundles_saved", tag=self.tag)
-            backend.adaptor.record_for_load(self.entry.root)
+            entry.commit(meta, self.factors, backend.graph_code)
+            if entry.writable:
+                counters.bump("bundles_saved", tag=self.tag)
+                log.info("[%s] warm-start bundle saved as %s", self.tag, entry.rel)
+                backend.adaptor.record_for_load(self.root)
+                removed = prune_bundles(self.root, self.tag, self.rank_dir, bundles_per_tag(), entry.path)
+                if removed:
+                    log.info("[%s] removed %d older warm-start bundle(s) of this tag (kept %d)", self.tag, removed,
+                             bundles_per_tag())
