@@ -243,6 +243,11 @@ def _canonical(v: Any, depth: int = 0) -> Any:
     raise Unrecordable(f"a {_type_name(t)}")
 
 
+def _callable_name(fn: Any) -> str:
+    fn = getattr(fn, "func", fn)  # functools.partial
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{getattr(fn, '__qualname__', None) or type(fn).__qualname__}"
+
+
 def _recorded(guard_type: str, value: Any) -> Any:
     """What a guard of `guard_type` compares about `value`, as a canonical record.
 
@@ -254,6 +259,10 @@ def _recorded(guard_type: str, value: Any) -> Any:
     if guard_type in ("LENGTH_CHECK", "DICT_LENGTH"):
         return len(value)
     if guard_type == "DICT_KEYS_MATCH":
+        if isinstance(value, dict) and value and all(type(k) is int for k in value) and all(map(callable, value.values())):
+            # a hook dict (``_global_module_registration_hooks``): its keys are handle ids from a
+            # process-wide counter, so the record is which hooks, in order
+            return ("hooks", tuple(_callable_name(v) for v in value.values()))
         return tuple(_canonical(k) for k in dict.keys(value)) if isinstance(value, dict) else _canonical(tuple(value))
     if guard_type == "TENSOR_MATCH":
         return (_type_name(type(value)), str(value.dtype), str(value.device), tuple(value.shape), tuple(value.stride()),

@@ -152,6 +152,9 @@ def test_canonical_records_tell_values_and_types_apart():
     assert _recorded("TYPE_MATCH", object()) == "builtins.object"
     assert _recorded("DICT_KEYS_MATCH", {"a": 0, "b": 1}) != _recorded("DICT_KEYS_MATCH", {"b": 1, "a": 0})
     assert _recorded("TENSOR_MATCH", torch.zeros(2, 3)) != _recorded("TENSOR_MATCH", torch.zeros(3, 2))
+    # hook dicts are keyed by handle ids, a process-wide counter: the hooks themselves are recorded
+    assert _recorded("DICT_KEYS_MATCH", {3: math.sin, 4: math.cos}) == _recorded("DICT_KEYS_MATCH", {11: math.sin, 12: math.cos})
+    assert _recorded("DICT_KEYS_MATCH", {3: math.sin, 4: math.cos}) != _recorded("DICT_KEYS_MATCH", {3: math.cos, 4: math.sin})
     with pytest.raises(Unrecordable):
         _canonical(object())
     with pytest.raises(Unrecordable):
@@ -269,3 +272,49 @@ def test_code_digest_is_independent_of_the_hash_seed_and_follows_the_code():
     exec(compile(src.replace("'e'", "'z'"), "f.py", "exec"), ns)
     assert code_digest(ns["f"].__code__) != out
     assert const_repr(frozenset({"b", "a"})) == const_repr(frozenset({"a", "b"})) == "frozenset('a','b')"
+
+
+SLICING_SCRIPT = '''
+import json, sys, torch
+import piecewise as pw
+import piecewise.models.toy
+
+for _ in range(int(sys.argv[1])):  # hook handles taken before the first compile shift every later handle id
+    torch.nn.Linear(1, 1).register_forward_hook(lambda *a: None)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        x = torch.ops.piecewise_models.toy_attention(x, x, x)
+        for blk in self.blocks[:2]:  # a new ModuleList: Dynamo traces the global registration hooks
+            x = blk(x)
+        return x
+
+
+model = Model()
+cm = pw.compile(model, pw.CompilationConfig(backend="eager", max_num_tokens=16), dynamic_arg_dims={"x": 0})
+x = torch.randn(5, 8)
+print(json.dumps({"equal": bool(torch.allclose(cm(x), model(x))),
+                  "counters": {k: v for k, v in pw.counters.snapshot().items() if v}}))
+'''
+
+
+def test_hook_handle_ids_that_differ_between_processes_do_not_miss_the_bundle(tmp_path):
+    """A forward that slices a ModuleList runs the global module-registration hooks, which Dynamo
+    guards by their dict's keys: handle ids, a process-wide counter. The bundle records which hooks
+    instead, so a process that took other hook handles first still starts warm."""
+    path = tmp_path / "slicing.py"
+    path.write_text(SLICING_SCRIPT)
+    env = {**os.environ, "PIECEWISE_CACHE_DIR": str(tmp_path / "c")}
+    reports = []
+    for extra in ("0", "5", "0"):
+        p = subprocess.run([sys.executable, str(path), extra], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        reports.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert all(r["equal"] for r in reports)
+    assert [r["counters"].get("bundle_hits", 0) for r in reports] == [0, 1, 1]
