@@ -264,3 +264,106 @@ def test_forward_hook_added_to_a_submodule_after_compile_is_followed():
     with counters.expect(state_changes=1, recompiles=1):
         with torch.no_grad():
             torch.testing.assert_close(cm(ids), model(ids))
+
+
+# -- found by trying to break the rule ---------------------------------------------------------
+
+
+class Settings(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.act = torch.nn.GELU()
+        self.norm = torch.nn.LayerNorm(8)
+        self.scale = torch.ones(8)  # a plain tensor attribute, not a buffer
+        self.extras = [torch.zeros(8)]  # tensors inside a list attribute
+
+    def forward(self, x):
+        h = torch.ops.pw_test_state.attn(self.norm(self.act(self.lin(x))))
+        if self.lin.bias is None:
+            h = h * 10
+        return h * self.scale + self.extras[0]
+
+
+@pytest.mark.parametrize("change", [
+    "gelu_tanh", "layernorm_eps", "bias_none", "plain_tensor_same_layout", "plain_tensor_float64", "plain_tensor_shape",
+    "list_tensor", "hook_swapped", "global_hook", "del_then_set",
+])
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_every_change_through_the_module_is_followed(change, backend):
+    model = Settings().eval()
+    cm = pw.compile(model, CompilationConfig(backend=backend, max_num_tokens=32), dynamic_arg_dims={"x": 0})
+    handle = model.lin.register_forward_hook(lambda mod, inp, out: out * 2) if change == "hook_swapped" else None
+    gen = torch.Generator().manual_seed(5)
+    cm(torch.randn(5, 8, generator=gen))
+    removers = []
+    if change == "gelu_tanh":
+        model.act = torch.nn.GELU(approximate="tanh")
+    elif change == "layernorm_eps":
+        norm = torch.nn.LayerNorm(8, eps=10.0)
+        norm.load_state_dict(model.norm.state_dict())
+        model.norm = norm
+    elif change == "bias_none":
+        model.lin.bias = None
+    elif change == "plain_tensor_same_layout":
+        model.scale = torch.full((8,), 3.0)
+    elif change == "plain_tensor_float64":
+        model.scale = torch.full((8,), 3.0, dtype=torch.float64)
+    elif change == "plain_tensor_shape":
+        model.scale = torch.full((1,), 3.0)
+    elif change == "list_tensor":
+        model.extras[0] = torch.full((1,), 7.0, dtype=torch.float64)
+    elif change == "hook_swapped":  # same number of hooks, another function
+        handle.remove()
+        model.lin.register_forward_hook(lambda mod, inp, out: out + 100)
+    elif change == "global_hook":
+        removers.append(torch.nn.modules.module.register_module_forward_hook(
+            lambda mod, inp, out: out * 2 if isinstance(mod, torch.nn.Linear) else out))
+    elif change == "del_then_set":
+        del model.act
+        model.act = torch.nn.Tanh()
+    try:
+        for n in (5, 3, 9):
+            x = torch.randn(n, 8, generator=gen)
+            with torch.no_grad():  # Inductor reorders float math: ~1e-4 on values around 100
+                torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-4)
+    finally:
+        for r in removers:
+            r.remove()
+
+
+def test_object_argument_through_kwargs_is_guarded():
+    class K(torch.nn.Module):
+        def forward(self, x, **kw):
+            return torch.ops.pw_test_state.attn(x * kw["obj"].scale)
+
+    cm = pw.compile(K(), CompilationConfig(backend="eager"), dynamic_arg_dims={"x": 0})
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(cm(x, obj=Box(2.0)), x * 4)
+    torch.testing.assert_close(cm(x, obj=Box(2.0)), x * 4)
+    with pytest.raises(pw.InputError, match="scale"):
+        cm(x, obj=Box(3.0))
+
+
+def test_value_whose_copy_does_not_compare_equal_is_guarded_not_refused():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Scales:
+        t: torch.Tensor
+        k: float = 1.0
+
+    class D(torch.nn.Module):
+        def forward(self, x, s):
+            return torch.ops.pw_test_state.attn(x * s.t * s.k)
+
+    model = D()
+    cm = pw.compile(model, CompilationConfig(backend="eager"), dynamic_arg_dims={"x": 0})
+    x, s = torch.randn(3, 4), Scales(torch.ones(4))
+    torch.testing.assert_close(cm(x, s), model(x, s))
+    torch.testing.assert_close(cm(x, s), model(x, s))  # the same object again
+    s2 = Scales(torch.full((4,), 5.0))
+    torch.testing.assert_close(cm(x, s2), model(x, s2))  # new tensor values are read live
+    with pytest.raises(pw.InputError, match="k"):
+        cm(x, Scales(torch.ones(4), k=2.0))

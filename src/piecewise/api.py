@@ -140,6 +140,8 @@ class CompiledModel:
         state.install()
         self._state_epoch = -1
         self._state_layout: dict[str, Any] = {}
+        self._plain_tensors: list[Any] = []
+        self._skip_bundle = False
 
     # -- calling ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -152,6 +154,8 @@ class CompiledModel:
                 return out
         fast = self._fast
         with torch.no_grad():
+            if self._plain_tensors:
+                state.check_plain_tensors(self._plain_tensors)
             if fast is None or (state.EPOCH != self._state_epoch and not self._state_unchanged()):
                 return self._first_call(args, kwargs)
             args, kwargs = self._signature.check(args, kwargs)
@@ -213,25 +217,46 @@ class CompiledModel:
             changes = state.diff(self._state_layout, layout)
             if not changes:
                 self._state_epoch = now
+                self._plain_tensors = state.plain_tensors(self.module)
                 return True
             log.info("[%s] module state the trace read changed after compile (%s); tracing again", self.tag, "; ".join(changes))
             counters.bump("recompiles", tag=self.tag)
             counters.bump("state_changes", tag=self.tag)
             self._fast, self.backend, self._guards, self._object_guards = None, None, None, None
+            # Trace for real: a bundle is found by a fingerprint of the module, which may not see
+            # what changed here (a hook swapped for another of the same count, in the same file).
+            self._skip_bundle = True
             return False
 
     def _record_state(self) -> None:
         self._state_epoch = state.EPOCH
         self._state_layout, _ = state.describe(self.module)
+        self._plain_tensors = state.plain_tensors(self.module)
+
+    def _object_roots(self) -> tuple[str, ...]:
+        """Frame locals the guards on object arguments start from: the argument's own name, or the
+        ``**kwargs`` parameter's for an object passed through it."""
+        named = {p.name for p in self._params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        var_kw = next((p.name for p in self._params if p.kind == p.VAR_KEYWORD), None)
+        return tuple(dict.fromkeys(n if n in named or var_kw is None else var_kw for n in self._signature.objects))
 
     def _check_object_guards(self, args: tuple, kwargs: dict) -> None:
         """Object arguments: the trace read their attributes, so its guards on them must hold."""
-        f_locals = {s.name: self._signature._value(s, args, kwargs) for s in self._signature.specs if s.name in self._signature.objects}
+        named = {p.name for p in self._params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        f_locals: dict[str, Any] = {}
+        for s in self._signature.specs:
+            if s.name not in self._signature.objects:
+                continue
+            if s.name in named:
+                f_locals[s.name] = self._signature._value(s, args, kwargs)
+            else:
+                var_kw = next(p.name for p in self._params if p.kind == p.VAR_KEYWORD)
+                f_locals[var_kw] = {k: v for k, v in kwargs.items() if k not in named}
         if not self._object_guards.check(f_locals):
             failed = self._object_guards.check_verbose(f_locals).verbose_code_parts
             raise InputError(
                 f"[{self.tag}] an object argument differs from the traced one in what the trace read: "
-                f"{failed[0].split('  #')[0] if failed else '?'}. The compiled code would use the traced values; pass an "
+                f"{failed[0].split('#')[0].strip() if failed else '?'}. The compiled code would use the traced values; pass an "
                 "object in the traced state (same attribute values, tensors of the traced dtype and shape), or compile "
                 "the variant as a model of its own under another CompilationConfig(tag=...)"
             )
@@ -259,7 +284,7 @@ class CompiledModel:
             args, kwargs = self._signature.check(args, kwargs)
             t0 = time.perf_counter()
             # Object arguments need the guard manager of a live trace (a bundle does not keep one).
-            start = WarmStart.open(self, args, kwargs) if not self._signature.objects else None
+            start = WarmStart.open(self, args, kwargs) if not (self._signature.objects or self._skip_bundle) else None
             if start is not None and start.fast is not None:
                 self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
                 self._record_state()
@@ -296,9 +321,12 @@ class CompiledModel:
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
         try:
-            with fx_config.patch(backed_size_oblivious=True):
+            # Dims are dynamic only where dynamic_arg_dims says so: Dynamo's automatic dynamic
+            # shapes would otherwise make a second trace of the same code (after a state change,
+            # or another instance) dynamic in whatever differed from the first.
+            with fx_config.patch(backed_size_oblivious=True), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 return capture(self.module, args, kwargs, self.backend, full_guards=self.config.debug,
-                               object_args=self._signature.objects)
+                               object_args=self._object_roots())
         except (torch._dynamo.exc.UserError, ConstraintViolationError) as e:
             raise ConfigError(
                 f"[{self.tag}] tracing failed: {str(e).splitlines()[0]}. Usually an input dim is tied to a dim marked "

@@ -42,6 +42,7 @@ class _Tally:
     capturable_pieces: int = 0
     graphs_captured: int = 0
     recaptures: int = 0  # every size captured again because a weight or buffer graphs read in place moved
+    padding_refusals: int = 0  # graphs turned off: padding a call changed its real rows (graphs.dispatch)
     graph_replays: int = 0
     eager_above_capture: int = 0  # calls above the largest capture size
 

@@ -155,7 +155,11 @@ class CallSignature:
                                   else ObjectLeaf(type(x)) if _is_object(x) else copy.deepcopy(x) for x in leaves]
                     spec = ArgSpec(name, pos, "tree", value=(treespec, leaf_specs))
                 else:
-                    spec = ArgSpec(name, pos, "value", value=copy.deepcopy(v))
+                    snapshot = copy.deepcopy(v)
+                    # A value whose copy does not compare equal to it (a dataclass holding a tensor, a
+                    # type whose == is not a plain bool) cannot be checked by value: guard it instead.
+                    spec = (ArgSpec(name, pos, "value", value=snapshot) if _same(v, snapshot)
+                            else ArgSpec(name, pos, "object", value=type(v)))
             specs.append(spec)
         self.specs = specs
         self.alias_groups = [tuple(ix) for ix in first_index.values() if len(ix) > 1]

@@ -19,12 +19,17 @@ again (`describe`, O(parameters)) and compare the description with the one taken
   ``.cuda()``, ``.cpu()``, ``.type()``, ``.to_empty()``, ``.share_memory()``;
 * ``Module.train`` / ``.eval()``;
 * forward hooks and pre-hooks registered on any module (``register_forward_hook``,
-  ``register_forward_pre_hook``): the trace inlined the hooks present at the time.
+  ``register_forward_pre_hook``) or for every module (``register_module_forward_hook``,
+  ``register_module_forward_pre_hook``): the trace inlined the hooks present at the time;
+* ``register_parameter`` (``m.lin.bias = None`` registers a None parameter without torch's hook)
+  and ``del m.attr``.
 
-The last three have no hook in torch; a thin wrapper around each is installed on ``nn.Module`` once,
-when the first model is compiled (`install`). Dynamo special-cases ``Module.__setattr__`` by
-identity, so that method is left alone: a plain (non-tensor, non-module) attribute assigned after
-the first call does not move the epoch (see README "What to know" for the full list).
+Those without a hook in torch get a thin wrapper, installed on ``nn.Module`` (and the two global
+registration functions) once, when the first model is compiled (`install`). Dynamo special-cases
+``Module.__setattr__`` by identity, so that method is left alone: a plain attribute assigned after
+the first call does not move the epoch. Tensors held as plain attributes are few, so a compiled
+model checks their identity on every call instead (`plain_tensors`); a plain non-tensor attribute
+assigned later stays the user's responsibility (see README "What to know").
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["epoch", "bump", "install", "describe", "diff", "TensorState"]
+__all__ = ["epoch", "bump", "install", "describe", "diff", "TensorState", "plain_tensors", "check_plain_tensors"]
 
 #: the state epoch; read it through `epoch()` or as ``state.EPOCH`` on the hot path
 EPOCH = 0
@@ -66,19 +71,28 @@ def install() -> None:
         nn_module.register_module_parameter_registration_hook(bump)
         nn_module.register_module_buffer_registration_hook(bump)
         nn_module.register_module_module_registration_hook(bump)
-        for name in ("_apply", "train", "register_forward_hook", "register_forward_pre_hook"):
+        for name in ("_apply", "train", "register_forward_hook", "register_forward_pre_hook", "register_parameter",
+                     "__delattr__"):
             original = getattr(torch.nn.Module, name)
-            if getattr(original, "__piecewise_bumps__", False):
-                continue
-            setattr(torch.nn.Module, name, _bumping(original))
+            if not getattr(original, "__piecewise_bumps__", False):
+                setattr(torch.nn.Module, name, _bumping(original))
+        import torch.nn.modules as nn_modules
+
+        for name in ("register_module_forward_hook", "register_module_forward_pre_hook"):
+            original = getattr(nn_module, name)
+            if not getattr(original, "__piecewise_bumps__", False):
+                wrapped = _bumping(original)
+                setattr(nn_module, name, wrapped)
+                if getattr(nn_modules, name, None) is original:  # re-exported by torch.nn.modules
+                    setattr(nn_modules, name, wrapped)
         _installed = True
 
 
 def _bumping(fn: Any) -> Any:
     @functools.wraps(fn)
-    def wrapper(self, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(self, *args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             bump()
 
@@ -108,13 +122,18 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
     attribute to its `TensorState` (None for a registered ``None``), and each submodule's
     ``training`` flag and class to their values; `addresses` maps each tensor path to its
     ``data_ptr()``. Cost: O(submodules + tensors), about 2 us a tensor."""
-    layout: dict[str, Any] = {}
+    from torch.nn.modules import module as nn_module
+
+    layout: dict[str, Any] = {
+        # hooks by their handle ids (unique and never reused, unlike id() of a freed function)
+        "<global forward hooks>": (tuple(nn_module._global_forward_hooks), tuple(nn_module._global_forward_pre_hooks)),
+    }
     addresses: dict[str, int] = {}
     for name, m in module.named_modules(remove_duplicate=False):
         prefix = f"{name}." if name else ""
         layout[f"{prefix}<class>"] = f"{type(m).__module__}.{type(m).__qualname__}"
         layout[f"{prefix}training"] = m.training
-        layout[f"{prefix}<forward hooks>"] = (len(m._forward_hooks), len(m._forward_pre_hooks))
+        layout[f"{prefix}<forward hooks>"] = (tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
         for kind in ("_parameters", "_buffers"):
             for pname, p in m.__dict__[kind].items():
                 path = prefix + pname
@@ -122,10 +141,65 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
                 if p is not None:
                     addresses[path] = p.data_ptr()
         for aname, v in m.__dict__.items():
-            if isinstance(v, torch.Tensor) and not aname.startswith("__"):
+            if aname in _MODULE_INTERNALS or aname.startswith("__"):
+                continue
+            if isinstance(v, torch.Tensor):
                 layout[prefix + aname] = _tensor_state(v)
                 addresses[prefix + aname] = v.data_ptr()
+            else:  # settings such as eps or GELU's approximate, fixed into the trace
+                layout[prefix + aname] = _value(v)
     return layout, addresses
+
+
+_PRIMITIVES = (int, float, bool, str, bytes, type(None), complex, torch.dtype, torch.device)
+#: attributes every nn.Module has (parameter/buffer/submodule dicts, hook dicts, flags): described
+#: through their own entries, never as plain attributes
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"forward"}  # forward: the class's is traced
+
+
+def _value(v: Any, depth: int = 2) -> Any:
+    """A comparable description of an attribute value: primitives and containers of them (two
+    levels deep) by value, anything else by type and identity (a new object of any value counts
+    as a change, which traces again: never wrong, at worst a needless trace)."""
+    if isinstance(v, _PRIMITIVES):
+        return (type(v).__name__, v)
+    if depth > 0 and isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_value(x, depth - 1) for x in v))
+    if depth > 0 and isinstance(v, dict):
+        return ("dict", tuple((repr(k), _value(x, depth - 1)) for k, x in v.items()))
+    return (type(v).__qualname__, id(v))
+
+
+def plain_tensors(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, Any, tuple[tuple[Any, torch.Tensor], ...]]]:
+    """Tensors held as plain attributes (not registered buffers) anywhere in `module`, directly or
+    in a list, tuple or dict attribute, as ``(owner's __dict__, name, value, ((key, tensor), ...))``:
+    reassigning one moves no epoch (``Module.__setattr__`` is not wrapped), so a compiled model
+    checks their identity on every call (a few ns each; models keep state in buffers, so the list
+    is usually empty)."""
+    out = []
+    for m in module.modules():
+        for aname, v in m.__dict__.items():
+            if aname in _MODULE_INTERNALS or aname.startswith("__"):
+                continue
+            if isinstance(v, torch.Tensor):
+                out.append((m.__dict__, aname, v, ()))
+            elif isinstance(v, (list, tuple, dict)):
+                items = tuple((k, t) for k, t in (v.items() if isinstance(v, dict) else enumerate(v))
+                              if isinstance(t, torch.Tensor))
+                if items:
+                    out.append((m.__dict__, aname, v, items))
+    return out
+
+
+def check_plain_tensors(held: list[tuple[dict[str, Any], str, Any, tuple[tuple[Any, torch.Tensor], ...]]]) -> None:
+    """Move the epoch when a tensor held as a plain attribute was replaced (see `plain_tensors`)."""
+    try:
+        for d, name, value, items in held:
+            if d.get(name) is not value or any(value[k] is not t for k, t in items):
+                bump()
+                return
+    except (KeyError, IndexError, TypeError):  # a container lost an entry: changed
+        bump()
 
 
 def diff(before: dict[str, Any], after: dict[str, Any], limit: int = 3) -> list[str]:

@@ -58,6 +58,7 @@ def test_pad_rows_zero_and_forward_context_has_real_and_padded_counts():
     with fake_cpu_platform():
         cm = _compile(M())
         x = torch.randn(5, 2) + 10
+        cm(x)  # the first padded call checks that padding leaves real rows alone (unpadded result)
         out = cm(x)
         torch.testing.assert_close(out, x * 6)
         assert out.shape == (5, 2)
@@ -167,6 +168,10 @@ class _Pooled(torch.nn.Module):
             return h.t() @ h
         if self.how == "softmax_features":  # row-local: graphs stay on
             return h.softmax(dim=-1)
+        if self.how == "sort_default":  # sorts each row (dim=-1): row-local
+            return h.sort().values
+        if self.how == "topk_3d":  # topk over the last dim; k=3 must not be read as a dim
+            return h.view(-1, 2, 4).topk(3).values
         raise AssertionError(self.how)
 
 
@@ -187,14 +192,73 @@ def test_token_mixing_outside_splitting_ops_turns_graphs_off_and_stays_exact(how
         assert "combines values across tokens" in caplog.text and "cudagraph_mode='none'" in caplog.text
 
 
-def test_row_local_model_keeps_graphs():
-    model = _Pooled("softmax_features").eval()
+class _Leaky(torch.nn.Module):
+    """Steps that mix tokens in ways a static look at the graph does not see (set by `how`)."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 8)
+        self.conv = torch.nn.Conv1d(8, 8, 3, padding=1)
+        self.how = how
+
+    def forward(self, x):
+        h = torch.ops.piecewise_models.toy_attention(self.a(x), x, x)
+        if self.how == "sdpa":  # attention over tokens outside a splitting op
+            q = h[None, None]
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)[0, 0]
+        if self.how == "gram_sum":
+            return (h @ h.t() + 1).sum(1, keepdim=True) * h
+        if self.how == "count":  # the token count used as a value
+            return h * h.shape[0]
+        if self.how == "conv":  # over the projected input, whose pad rows are not zero
+            return self.conv(self.a(x).t()[None])[0].t() + h
+        if self.how == "instance_norm":
+            return torch.nn.functional.instance_norm(h.t()[None])[0].t()
+        raise AssertionError(self.how)
+
+
+@pytest.mark.parametrize("how", ["sdpa", "gram_sum", "count", "conv", "instance_norm"])
+def test_padding_that_changes_real_rows_is_found_on_the_first_padded_call(how, caplog):
+    model = _Leaky(how).eval()
     with fake_cpu_platform():
         cm = _compile(model)
-        x = torch.randn(13, 8)
-        with torch.no_grad():
+        gen = torch.Generator().manual_seed(4)
+        with caplog.at_level("WARNING", logger="piecewise"):
+            for n in (13, 3, 5, 9, 16):
+                x = torch.randn(n, 8, generator=gen)
+                with torch.no_grad():
+                    torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-4)
+        assert counters.padding_refusals == 1 and counters.graph_replays == 0
+        assert "when the call was padded from 13 to 16 tokens" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["flatten", "shortened"])
+def test_an_output_whose_token_dim_is_derived_gets_no_graphs(how):
+    class Derived(torch.nn.Module):
+        def forward(self, x):
+            h = torch.ops.piecewise_models.toy_attention(x + 1, x, x)
+            return h.reshape(-1) if how == "flatten" else h[1:] - h[:-1]
+
+    model = Derived()
+    with fake_cpu_platform():
+        cm = _compile(model)
+        for n in (13, 3, 6):
+            x = torch.randn(n, 8)
             torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
-        assert counters.graphs_captured > 0
+        assert counters.graphs_captured == 0
+
+
+@pytest.mark.parametrize("how", ["softmax_features", "sort_default", "topk_3d"])
+def test_row_local_model_keeps_graphs(how):
+    model = _Pooled(how).eval()
+    with fake_cpu_platform():
+        cm = _compile(model)
+        for n in (13, 5):
+            x = torch.randn(n, 8)
+            with torch.no_grad():
+                torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+        assert counters.graphs_captured > 0 and counters.padding_refusals == 0 and counters.graph_replays > 0
 
 
 @pw.splitting_op("pw_test_graphs::gate", mutates_args=("out",))

@@ -121,6 +121,9 @@ class GraphDispatcher:
         # Inputs bound in place by every graph (weights, buffers): (index, address) at capture.
         self._bound: list[tuple[int, int]] = []
         self._state_epoch = -1
+        self._padding_verified = False
+        #: why graphs were turned off after the padding check (None: not refused)
+        self.padding_refused: str | None = None
         runner.on_size_failed = self._drop_size
 
     def _drop_size(self, size: int) -> None:
@@ -129,12 +132,16 @@ class GraphDispatcher:
 
     # -- per call -------------------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...]) -> Any:
+        if self.padding_refused is not None:
+            return self.plain(*args)
         if self.captured and state.EPOCH != self._state_epoch:
             self._verify_bound(args)
         if not self.captured:
             self.capture_all(args)
         n = args[self.sym_index]
         padded = self.table.padded(n)
+        if not self._padding_verified and padded is not None and padded > n:
+            return self._verify_padding(args, n, padded)
         if padded is None:
             counters.bump("eager_above_capture", tag=self.tag)
             if not self._warned_above:
@@ -179,6 +186,49 @@ class GraphDispatcher:
             self._bound = [(i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in statics]
             self._state_epoch = state.EPOCH
         return new
+
+    def _verify_padding(self, args: tuple[Any, ...], n: int, padded: int) -> Any:
+        """The first call that pads: check that pad rows cannot reach real results, by running this
+        call unpadded, then padded with zero pad rows, then padded with pad rows copied from real
+        rows (in-domain values, so token ids stay valid), without graphs, and comparing the real
+        rows of every output. A model whose real rows move with the pad rows (attention or a norm
+        over tokens outside splitting ops, a convolution along tokens, the token count used as a
+        value, a splitting op that ignores ``forward_context().num_tokens``) gets no graphs from
+        then on, with a warning. Returns this call's (unpadded) result.
+
+        The model runs three times on this call's tokens: splitting ops must write the same state
+        for the same tokens (true of KV-cache writes)."""
+        expected = _clone(self.plain(*args))
+        worst = 0.0
+        for fill in ("zeros", "copies"):
+            padded_args = self._fill(args, n, padded)
+            if fill == "copies":
+                for si in self.static_inputs:
+                    pad = padded_args[si.index].narrow(si.dim, n, padded - n)
+                    src = padded_args[si.index].narrow(si.dim, 0, n)
+                    reps = -(-(padded - n) // n)
+                    pad.copy_(torch.cat([src] * reps, dim=si.dim).narrow(si.dim, 0, padded - n))
+            self.select_entry(padded)
+            token = _current.set(ForwardContext(n, padded, "none", None, self.tag))
+            try:
+                got = self._slice(self.forward(*padded_args), n)
+            finally:
+                _current.reset(token)
+            worst = max(worst, _max_rel_diff(expected, got))
+        self._padding_verified = True
+        # Row-local models differ only by rounding between an n-row and a padded call (BLAS blocks
+        # by size): ~1e-6 relative in fp32, a few ulps (~1e-2) in half precision. A leak is O(1).
+        half = any(isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16) for a in _leaves(expected))
+        if worst > (5e-2 if half else 1e-3):
+            self.padding_refused = (f"real rows changed by up to {worst:.3g} (relative) when the call was padded from {n} to "
+                                    f"{padded} tokens")
+            log.warning("[%s] %s: the model mixes values across tokens outside splitting ops (or a splitting op "
+                        "ignores forward_context().num_tokens); graph capture pads calls, so graphs are turned off for "
+                        "this model. Move such steps into a splitting op that skips pad rows, or set cudagraph_mode='none'",
+                        self.tag, self.padding_refused)
+            counters.bump("padding_refusals", tag=self.tag)
+            self.reset()
+        return expected
 
     def _verify_bound(self, args: tuple[Any, ...]) -> None:
         """Module state changed somewhere (`piecewise.state`): a weight or buffer every graph reads in
@@ -236,3 +286,32 @@ class GraphDispatcher:
         d = counters.delta_since(before)
         log.info("[%s] captured %d graphs over %d sizes (%s), pool %.1f MB; sizes %s", self.tag, d.get("graphs_captured", 0),
                  len(self.sizes), self.mode, self.runner.total_pool_bytes / 2**20, self.sizes)
+
+
+def _clone(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_clone(o) for o in out)
+    return out
+
+
+def _max_rel_diff(a: Any, b: Any) -> float:
+    """Largest difference between two outputs relative to the reference's scale (inf on a
+    mismatch of structure, shape or dtype)."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return float("inf")
+        if not a.is_floating_point():
+            return 0.0 if torch.equal(a, b) else float("inf")
+        scale = max(a.abs().max().item() if a.numel() else 0.0, 1e-6)
+        return (a.float() - b.float()).abs().max().item() / scale if a.numel() else 0.0
+    if isinstance(a, (tuple, list)):
+        if not isinstance(b, (tuple, list)) or len(a) != len(b):
+            return float("inf")
+        return max((_max_rel_diff(x, y) for x, y in zip(a, b)), default=0.0)
+    return 0.0 if a == b else float("inf")
+
+
+def _leaves(out: Any) -> list[Any]:
+    return [x for o in out for x in _leaves(o)] if isinstance(out, (tuple, list)) else [out]

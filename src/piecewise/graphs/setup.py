@@ -33,13 +33,18 @@ def _token_dim(x: Any, symbol: Any) -> int | None | bool:
     return found
 
 
-#: ops that combine values along a dim they take as argument (position 1 or ``dim``/``dims``):
-#: along the token dim, pad rows would flow into real rows
-_MIXING_ALONG_DIM = frozenset({
-    "softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp",
-    "sort", "argsort", "topk", "flip", "roll", "diff", "kthvalue", "median", "nanmedian", "mode", "msort",
-    "_safe_softmax", "glu", "renorm", "normalize", "unfold",
-})
+_REQUIRED = object()
+#: ops that combine values along a dim they take as argument: op -> (position of the dim argument
+#: counting the tensor itself, its default; `_REQUIRED`: a call without it mixes everything). Along
+#: the token dim, pad rows would flow into real rows.
+_MIXING_ALONG_DIM: dict[str, tuple[int, Any]] = {
+    **{op: (1, _REQUIRED) for op in ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum",
+                                     "cumprod", "cummax", "cummin", "logcumsumexp", "flip", "unfold")},
+    **{op: (1, -1) for op in ("sort", "argsort", "median", "nanmedian", "mode", "glu")},
+    "msort": (1, 0),
+    "topk": (2, -1), "kthvalue": (2, -1), "diff": (2, -1), "renorm": (2, _REQUIRED), "normalize": (2, 1),
+    "roll": (2, _REQUIRED),
+}
 #: calls that read only the dtype and device (or nothing) of a token-dim input
 _METADATA_ONLY = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "size", "sym_size", "dim",
                             "numel", "stride", "storage_offset", "type_as", "__getattr__", "element_size"})
@@ -89,11 +94,13 @@ def token_mixing(gm: torch.fx.GraphModule, symbol: Any, split_ops: frozenset[str
             found.append(f"{node.name} ({name}) has a token-dim input and an output without one{site}")
             continue
         if name in _MIXING_ALONG_DIM:
-            dim = node.kwargs.get("dim", node.kwargs.get("dims", node.args[1] if len(node.args) > 1 else None))
+            pos, default = _MIXING_ALONG_DIM[name]
+            key = "dims" if name in ("flip", "roll") else "dimension" if name == "unfold" else "dim"
+            dim = node.kwargs.get(key, node.args[pos] if len(node.args) > pos else default)
             x = token_in[0]
             dims = dim if isinstance(dim, (tuple, list)) else (dim,)
             bearing = set(_token_bearing_dims(x, symbol))
-            if dim is None or any(isinstance(d, int) and d % max(x.dim(), 1) in bearing for d in dims):
+            if dim is _REQUIRED or dim is None or any(not isinstance(d, int) or d % max(x.dim(), 1) in bearing for d in dims):
                 found.append(f"{node.name} ({name}) combines values along the token dim{site}")
     return found
 
@@ -122,9 +129,13 @@ def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, tag: 
             statics.append([i, d])
     outs = fake_outputs if isinstance(fake_outputs, (tuple, list)) else (fake_outputs,)
     output_dims = []
-    for o in outs:
+    for i, o in enumerate(outs):
         d = _token_dim(o, symbol)
-        output_dims.append(None if d is None or d is False else d)
+        if d is False:  # flattened with other dims, or shortened (s - 1): cannot be sliced back to real rows
+            return {"device": device, "refused": f"output {i} has the token count inside a dim expression "
+                    f"({tuple(o.shape)}), so a padded call's pad rows could not be sliced off; return the token dim as "
+                    "a dim of its own, or set cudagraph_mode='none'"}
+        output_dims.append(d)
     return {"device": device, "static_inputs": statics, "output_dims": output_dims}
 
 

@@ -261,7 +261,30 @@ class GenerationRoute:
             ref = lambda: cache  # noqa: E731
         if not same:
             self._cache_ref, self._past = ref, 0
+            self._follow_reorders(cache)
         return self._past
+
+    def _follow_reorders(self, cache: Any) -> None:
+        """Beam search reorders the cache object's rows between steps (``cache.reorder_cache(beam_idx)``);
+        the rows that matter are in the piecewise cache, so reorder those (every layer's first
+        ``len(beam_idx)`` rows, and their padding mask) in place, where the graphs read them."""
+        route = self
+
+        def reorder_cache(beam_idx: torch.Tensor) -> None:
+            if route.step is None:
+                return
+            rows = beam_idx.to(route.kv_valid.device)
+            n = rows.shape[0]
+            with torch.no_grad():
+                for caches in route.step.caches():
+                    for t in caches:
+                        t[:n].copy_(t[:n].index_select(0, rows))
+                route.kv_valid[:n].copy_(route.kv_valid[:n].index_select(0, rows))
+
+        try:
+            cache.reorder_cache = reorder_cache  # an instance attribute wins over the class's method
+        except (AttributeError, TypeError):
+            pass
 
     def _ensure_compiled(self, device: torch.device) -> None:
         if self.compiled is not None:
