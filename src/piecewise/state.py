@@ -57,6 +57,10 @@ def bump(*_: Any) -> None:
     """Move the epoch: some module state changed. Returns None so it can serve as a registration
     hook (a hook's non-None return value would replace the registered tensor)."""
     global EPOCH
+    if torch.compiler.is_compiling():
+        # Traced code that builds modules (transformers slices ``self.layers[:n]``, a new ModuleList)
+        # would otherwise turn this into a guard on EPOCH and a constant written back every call.
+        return
     EPOCH += 1  # a lost increment under a race still moves the epoch away from every reader's copy
 
 

@@ -162,3 +162,14 @@ def test_smollm2_chat_answer_streams_and_equals_eager_for_both_engines(session_d
         assert "".join(pieces) == got.text and got.first_token_s <= got.total_s
     assert loaded[0].config._attn_implementation == "sdpa", "the hf engine restores the model's attention"
     assert counters.recompiles == 0
+
+
+def test_beam_search_reorders_the_piecewise_cache():
+    ids, mask = _prompts([6, 4])
+    kw = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = _build("llama", "sdpa").generate(ids, attention_mask=mask, **kw)
+    got = pw.compile(_build("llama", "piecewise"), _config()).generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=1e-4, atol=1e-4)
