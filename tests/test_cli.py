@@ -6,7 +6,7 @@ from piecewise.demo import run_demo
 
 def test_demo_runs_and_reports_equality(tmp_path):
     buf = io.StringIO()
-    code = run_demo(buf, layers=1, modes=[("piecewise", "eager")], minilm=False, cache_root=str(tmp_path))
+    code = run_demo(buf, layers=1, modes=[("piecewise", "eager")], minilm=False, chat=False, cache_root=str(tmp_path))
     text = buf.getvalue()
     assert code == 0, text
     assert "| piecewise/eager |" in text and "every output equals eager" in text

@@ -14,7 +14,7 @@ __all__ = ["main"]
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(layers=args.layers, minilm=not args.no_minilm)
+    return run_demo(layers=args.layers, minilm=not args.no_minilm, chat=not args.no_chat)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="compile reference and transformers models on the CPU and compare with eager")
     d.add_argument("--layers", type=int, default=2, help="decoder layers of the demo models (default 2)")
     d.add_argument("--no-minilm", action="store_true", help="skip the pretrained MiniLM sentence-embedding part")
+    d.add_argument("--no-chat", action="store_true", help="skip the SmolLM2 chat part (real weights, the longest part)")
     d.set_defaults(func=_demo)
 
     g = sub.add_parser("generate", help="answer a chat prompt with SmolLM2-135M-Instruct, compiled, streaming tokens")

@@ -24,6 +24,11 @@ import torch
 
 __all__ = ["ChatResult", "answer"]
 
+#: positions a chat turn may use (prompt plus answer): the size of the compiled engines' KV cache
+MAX_MODEL_LEN = 512
+#: compiled engines by (model, engine, backend), reused across `answer` calls of one process
+_ENGINES: dict[tuple[int, str, str], Any] = {}
+
 
 @dataclasses.dataclass
 class ChatResult:
@@ -132,9 +137,11 @@ def _hf(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, backend
         model.set_attn_implementation("piecewise")
     try:
         if compiled:
-            cm = pw_compile(model, CompilationConfig(backend=backend, max_num_seqs=1,
-                                                     max_model_len=len(ids) + max_new_tokens, tag="smollm2_chat"))
-            out = cm.generate(input_ids, **kw)
+            key = (id(model), "hf", backend)
+            if key not in _ENGINES:
+                _ENGINES[key] = pw_compile(model, CompilationConfig(backend=backend, max_num_seqs=1, max_model_len=MAX_MODEL_LEN,
+                                                                    tag="smollm2_chat"))
+            out = _ENGINES[key].generate(input_ids, **kw)
         else:
             with torch.no_grad():
                 out = model.generate(input_ids, **kw)
@@ -152,11 +159,14 @@ def _decoder(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, ba
     from .llama import LlamaForCausalLM
 
     clock = _Clock()
-    decoder = LlamaForCausalLM.from_hf(model, max_num_seqs=1, max_seq_len=len(ids) + max_new_tokens)
-    forward: Any = decoder
-    if compiled:
-        forward = pw_compile(decoder, CompilationConfig(backend=backend, max_num_tokens=max(len(ids), 16), tag="smollm2_engine"),
-                             dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
+    key = (id(model), "decoder", backend if compiled else "none")
+    if key not in _ENGINES:
+        decoder = LlamaForCausalLM.from_hf(model, max_num_seqs=1, max_seq_len=MAX_MODEL_LEN)
+        _ENGINES[key] = (decoder, pw_compile(decoder, CompilationConfig(backend=backend, max_num_tokens=MAX_MODEL_LEN,
+                                                                        tag="smollm2_engine"),
+                                             dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
+                         if compiled else decoder)
+    decoder, forward = _ENGINES[key]
     seen: list[int] = []
     printed = [""]
 
@@ -174,7 +184,7 @@ def _decoder(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, ba
     with torch.no_grad():
         result = greedy_decode(streaming, [ids], max_new_tokens, arrival_steps=[0], reset=decoder.reset_kv_cache,
                                eos_token_ids=decoder.eos_token_ids, config=decoder.config,
-                               max_num_tokens=max(len(ids), 16) if compiled else None)
+                               max_num_tokens=MAX_MODEL_LEN if compiled else None)
     total = time.perf_counter() - clock.start
     return [int(t) for t in result.tokens[0]], clock.first or total, total
 
