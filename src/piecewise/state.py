@@ -125,7 +125,8 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
     Returns ``(layout, addresses)``: `layout` maps each parameter, buffer and tensor-valued plain
     attribute to its `TensorState` (None for a registered ``None``), and each submodule's
     ``training`` flag and class to their values; `addresses` maps each tensor path to its
-    ``data_ptr()``. Cost: O(submodules + tensors), about 2 us a tensor."""
+    ``data_ptr()``. Cost: O(submodules + tensors + attributes): 1.3 ms for the 8-layer reference
+    decoder (91 tensors) on a busy 2-core machine, paid only when the epoch moved."""
     from torch.nn.modules import module as nn_module
 
     layout: dict[str, Any] = {

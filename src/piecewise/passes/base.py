@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
+from ..fingerprint import code_digest
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -528,7 +529,7 @@ def _function_fingerprint(fn: Any, where: str, seen: frozenset[int]) -> Any:
     return {
         "qualname": qual,
         "source": source,
-        "code": _code_digest(code),
+        "code": code_digest(code),  # the one digest, shared with the warm-start fingerprint
         "defaults": _stable(fn.__defaults__, f"defaults of {fn.__qualname__}", seen),
         "kwdefaults": _stable(fn.__kwdefaults__, f"keyword defaults of {fn.__qualname__}", seen),
         "closure": closure,
@@ -655,29 +656,6 @@ def _global_error(pass_name: str, e: _Unstable) -> ConfigError:
         "or subclass piecewise.passes.PiecewisePass and take the value as an option returned by config(), "
         "or give the pass a uuid() method that covers it"
     )
-
-
-def _code_digest(code: types.CodeType) -> str:
-    """sha256 of a code object's bytecode, names and constants (nested code included). Bytecode
-    is specific to the Python version, so a new interpreter changes function-pass uuids."""
-    h = hashlib.sha256()
-    h.update(code.co_code)
-    h.update(repr(code.co_names).encode())
-    h.update(repr(code.co_varnames).encode())
-    for c in code.co_consts:
-        h.update(_const_repr(c).encode())
-    return h.hexdigest()
-
-
-def _const_repr(c: Any) -> str:
-    # a frozenset constant (`x in {"a", "b"}`) prints in string-hash order, which varies per process
-    if isinstance(c, types.CodeType):
-        return _code_digest(c)
-    if isinstance(c, frozenset):
-        return "frozenset(" + ",".join(sorted(_const_repr(x) for x in c)) + ")"
-    if isinstance(c, tuple):
-        return "(" + ",".join(_const_repr(x) for x in c) + ")"
-    return repr(c)
 
 
 def _positional_arity(fn: Any) -> int:
