@@ -108,3 +108,19 @@ def test_steady_state_of_several_processes_is_the_median_process_per_batch():
     assert out["latency"]["1"]["median_us"] == 20 and out["latency"]["1"]["p90_us"] == 21
     assert out["latency"]["8"]["median_us"] == 7 and out["latency"]["8"]["median_runs_us"] == [5, 9, 7]
     assert out["recompiles"] == 1  # the worst process counts
+
+
+def test_generation_table_ratios_against_the_recipe_and_failures():
+    from piecewise.bench.generation import to_markdown
+
+    row = dict(batch=1, first_total_s=0.0, total_s=0.0, recompiles=0)
+    results = [
+        {**row, "system": "hf_compile_static", "phase": "warm", "first_ttft_s": 8.0, "ttft_s": 0.2, "decode_tok_s": 10.0},
+        {**row, "system": "pw_generate", "phase": "warm", "first_ttft_s": 2.0, "ttft_s": 0.2, "decode_tok_s": 20.0},
+        {"system": "pw_engine", "batch": 1, "phase": "cold", "error": ["timed out after 900 s"]},
+    ]
+    md = to_markdown(results)
+    pw_row = next(line for line in md.splitlines() if "| pw_generate |" in line)
+    cells = [c.strip() for c in pw_row.strip("|").split("|")]
+    assert cells[6] == "0.50" and cells[7] == "0.25"  # half the recipe's step time, a quarter of its warm first token
+    assert "failed: timed out after 900 s" in md

@@ -65,11 +65,15 @@ def _config(**kw):
     return CompilationConfig(max_num_tokens=256, **kw)
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama_untied_bias", "qwen2"])
-@pytest.mark.parametrize("spelling", [{}, {"cache_implementation": "static"}, {"use_cache": False}],
-                         ids=["dynamic_cache", "static_cache", "no_cache"])
-@pytest.mark.parametrize("path", ["compiled.generate", "forward_assigned"])
+_SPELLINGS = {"dynamic_cache": {}, "static_cache": {"cache_implementation": "static"}, "no_cache": {"use_cache": False}}
+# every architecture through compiled.generate, and the forward-assigned path on Llama: 12 cases
+_CASES = [(a, sp, "compiled.generate") for a in ("llama", "llama_untied_bias", "qwen2") for sp in _SPELLINGS] + [
+    ("llama", sp, "forward_assigned") for sp in _SPELLINGS]
+
+
+@pytest.mark.parametrize("arch,spelling,path", _CASES)
 def test_greedy_tokens_equal_sdpa_eager(arch, spelling, path):
+    spelling = _SPELLINGS[spelling]
     ids, mask = _prompts([5, 9, 2])
     kw = dict(max_new_tokens=10, **spelling)
     expected = _eager(arch, ids, mask, **kw)
