@@ -1,6 +1,6 @@
 """piecewise: piecewise compilation of PyTorch inference models (a torch.compile backend).
 
-See README.md for usage; SPEC-level terms: splitting op, piece, compile range, compile size.
+See README.md for usage; terms (docs/design.md): splitting op, piece, compile range, compile size.
 """
 
 # The public names are imported on first use (PEP 562), so `piecewise --help` and the `piecewise

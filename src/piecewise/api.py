@@ -1,4 +1,4 @@
-"""`piecewise.compile`: the compile entry and guard-free dispatch (SPEC §4.1).
+"""`piecewise.compile`: the compile entry and guard-free dispatch (docs/design.md §4.1).
 
 The first call marks the dynamic dims, traces the model once with Dynamo (full-graph capture,
 `piecewise.capture`) and compiles it through a `PiecewiseBackend`. Dynamo's transformed bytecode for

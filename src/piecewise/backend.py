@@ -1,4 +1,4 @@
-"""The Dynamo backend: one `PiecewiseBackend` per compiled graph (SPEC §4.2).
+"""The Dynamo backend: one `PiecewiseBackend` per compiled graph (docs/design.md §4.2).
 
 Called by Dynamo with the FX graph and fake example inputs, it splits the graph at splitting ops,
 compiles every non-splitting piece for each entry of the `EntryTable` (deduplicating identical
@@ -165,7 +165,7 @@ class PiecewiseBackend:
         return token_mixing(gm, symbol, frozenset(self.split_ops))
 
     def key_factors(self, graph_hash: str, example_inputs: Sequence[Any]) -> dict[str, Any]:
-        """Every factor of the cache key, raw (SPEC §5.2)."""
+        """Every factor of the cache key, raw (docs/design.md §5.2)."""
         from . import __version__
 
         return {

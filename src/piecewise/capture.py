@@ -1,4 +1,4 @@
-"""One Dynamo trace of ``forward``, kept in a form that can be saved and rebuilt (SPEC §4.1, §5.5).
+"""One Dynamo trace of ``forward``, kept in a form that can be saved and rebuilt (docs/design.md §4.1, §5.5).
 
 `capture` runs Dynamo's full-graph capture on the module's ``forward`` (no graph breaks), hands the
 graph to a backend inside a tracing context that still lists the traced code objects, and returns a

@@ -22,7 +22,7 @@ __all__ = ["CompilationConfig", "CompileRange", "MODES", "CUDAGRAPH_MODES"]
 MODES = ("none", "full", "piecewise")
 CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 
-#: Fields that change generated code and therefore enter the cache key (SPEC §5.2). The rest
+#: Fields that change generated code and therefore enter the cache key (docs/design.md §5.2). The rest
 #: (cache_dir, tag, debug, ...) are cosmetic or locate the cache and must not split it.
 CODE_FIELDS = (
     "mode",

@@ -1,4 +1,4 @@
-"""The traced call's signature and the check every later call must pass (SPEC §4.1, §9).
+"""The traced call's signature and the check every later call must pass (docs/design.md §4.1, §9).
 
 Guard-free dispatch runs the code traced for the first call without asking Dynamo whether it still
 applies. `CallSignature` stands in for the guards that matter for inputs: recorded at the first

@@ -1,4 +1,4 @@
-"""Per-piece dispatch over compile sizes and ranges (SPEC §4.4, §4.6).
+"""Per-piece dispatch over compile sizes and ranges (docs/design.md §4.4, §4.6).
 
 A compiled model has a small, fixed list of *entries*: the general compile, one per compile range,
 one per compile size. The top-level callable resolves the token count to an entry index once per
@@ -124,7 +124,7 @@ def piece_fingerprint(graph: torch.fx.GraphModule, example_inputs: Sequence[Any]
     constants' bytes, and its input metadata (shapes as symbolic expressions, strides, dtypes).
 
     Two transformer layers produce equal fingerprints even though their parameter placeholders have
-    different names, so they are compiled once (SPEC §4.4)."""
+    different names, so they are compiled once (docs/design.md §4.4)."""
     h = hashlib.sha256()
     ids: dict[torch.fx.Node, int] = {}
 

@@ -1,4 +1,4 @@
-"""Cutting a Dynamo FX graph into pieces at splitting ops (SPEC §4.3).
+"""Cutting a Dynamo FX graph into pieces at splitting ops (docs/design.md §4.3).
 
 Nodes are walked in graph order. Each splitting-op node opens a subgraph of its own (consecutive
 splitting ops share one); the nodes between splitting ops share one subgraph. A ``getitem`` on a

@@ -1,4 +1,4 @@
-"""Warm start without tracing (SPEC §5.5): bundles, in real processes.
+"""Warm start without tracing (docs/design.md §5.5): bundles, in real processes.
 
 Each worker run is a fresh Python process on one cache root; its report carries counter deltas,
 the piecewise warnings it raised and whether every size equalled eager.

@@ -1,4 +1,4 @@
-"""Capture-size schedules, padding, and the padding-minimising planner (SPEC §6.4, §6.5). CPU only."""
+"""Capture-size schedules, padding, and the padding-minimising planner (docs/design.md §6.4, §6.5). CPU only."""
 
 import contextlib
 import itertools
@@ -87,7 +87,7 @@ def test_default_schedule_rejects_a_bad_maximum(bad):
 
 # -- windowed schedule ---------------------------------------------------------------------------
 def literal_windowed(w, bound):
-    """SPEC §6.5 spelled out: start at w, step by max(w, 2**max(s.bit_length() - 4, 0))."""
+    """docs/design.md §6.5 spelled out: start at w, step by max(w, 2**max(s.bit_length() - 4, 0))."""
     out, s = [], w
     while s < bound:
         out.append(s)

@@ -1,4 +1,4 @@
-"""Benchmarks (SPEC §10): piecewise against eager and ``torch.compile`` in one run.
+"""Benchmarks (docs/design.md §10): piecewise against eager and ``torch.compile`` in one run.
 
 `run_bench` drives `worker` in fresh subprocesses (one per system, phase and model size) so cold
 and warm starts are real process starts with their own caches, and prints every figure as a

@@ -1,4 +1,4 @@
-"""Warm-start bundles: rebuild a compiled model without running Dynamo (SPEC §5.5).
+"""Warm-start bundles: rebuild a compiled model without running Dynamo (docs/design.md §5.5).
 
 A cold start saves, next to the piece artifacts, one *bundle* per tag: Dynamo's transformed
 bytecode with its runtime globals and serialisable guards (`piecewise.capture`), the split module

@@ -1,4 +1,4 @@
-"""Cache key factors (SPEC §5.2): everything that can change the compiled code, and nothing else.
+"""Cache key factors (docs/design.md §5.2): everything that can change the compiled code, and nothing else.
 
 Factors are kept raw (JSON) next to each entry, so a miss can be explained factor by factor
 (`diff_factors`). Excluded on purpose: host names, ports, PIDs, paths, credentials, the cache root

@@ -1,4 +1,4 @@
-"""The on-disk compile cache (SPEC §5.1, §5.3, §5.4).
+"""The on-disk compile cache (docs/design.md §5.1, §5.3, §5.4).
 
 Layout, every path inside relative to the root so a cache can be moved or baked into an image::
 

@@ -1,4 +1,4 @@
-"""Maintenance of a cache root, behind ``piecewise cache ...`` (SPEC §8).
+"""Maintenance of a cache root, behind ``piecewise cache ...`` (docs/design.md §8).
 
 All functions take the root explicitly and return data; the CLI formats it.
 """

@@ -1,4 +1,4 @@
-"""Compiler adaptors: what turns one piece into a callable (SPEC §4.5).
+"""Compiler adaptors: what turns one piece into a callable (docs/design.md §4.5).
 
 An adaptor is registered by name (`register_adaptor`) and looked up from
 `CompilationConfig.backend`. Built-ins: ``"inductor"`` and ``"eager"``.

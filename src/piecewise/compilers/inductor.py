@@ -1,4 +1,4 @@
-"""The ``inductor`` adaptor: `torch._inductor.standalone_compile` per piece (SPEC §4.5).
+"""The ``inductor`` adaptor: `torch._inductor.standalone_compile` per piece (docs/design.md §4.5).
 
 The general and range compiles keep the piece's symbolic shapes (read from the ambient Dynamo
 tracing context); a size compile re-specialises the piece on concrete shapes in a fresh fake mode,

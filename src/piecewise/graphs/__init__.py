@@ -1,4 +1,4 @@
-"""Graph capture: the platform interface, per-piece wrappers, padding and capture sizes (SPEC §6)."""
+"""Graph capture: the platform interface, per-piece wrappers, padding and capture sizes (docs/design.md §6)."""
 
 from .dispatch import GraphDispatcher, batch_hint
 from .platform import CudaPlatform, GraphPlatform, register_platform, resolve_platform

@@ -1,4 +1,4 @@
-"""Capture sizes: which batch sizes get a graph, and how a runtime size is padded to one (SPEC §6.4,
+"""Capture sizes: which batch sizes get a graph, and how a runtime size is padded to one (docs/design.md §6.4,
 §6.5).
 
 A *capture size* is a row count (tokens; for replay batches, rows) for which a graph is captured. A
@@ -117,7 +117,7 @@ def windowed_capture_sizes(w: int, max_capture_size: int, max_num_seqs: int, max
     full graph of a uniform batch wants a whole number of requests. When `w` is a power of two
     (1, 2, 4, 8) the rule above keeps every stepped size a multiple of `w` on its own: the step is
     `w` or a power of two >= `w`. For other `w` it does not: with ``w = 3`` the step becomes 4 from
-    33 on (33, 37, 41, ...). The rule above is what SPEC §6.5 fixes, so it is the default;
+    33 on (33, 37, 41, ...). The rule above is what docs/design.md §6.5 fixes, so it is the default;
     ``whole_requests=True`` rounds each step up to the next multiple of `w` instead (6 instead of
     4, 258 instead of 256 for ``w = 3``; unchanged for a power of two), so every stepped size is a
     whole number of requests. The bound is kept as is either way: it is a multiple of `w` unless

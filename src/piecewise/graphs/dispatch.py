@@ -1,4 +1,4 @@
-"""Padding, static input buffers and graph-mode dispatch for one compiled model (SPEC §4.7, §6.1,
+"""Padding, static input buffers and graph-mode dispatch for one compiled model (docs/design.md §4.7, §6.1,
 §6.4).
 
 A call of ``n`` tokens is padded to the smallest capture size ``>= n``: each input with a dynamic

@@ -41,7 +41,7 @@ def plan_capture_sizes(histogram: Mapping[int, float], *, max_graphs: int | None
     ``bytes_per_token * s`` bytes, or ``bytes_per_token(s)`` when a callable is given (e.g.
     ``lambda s: fixed + per_row * s``). The cost must not decrease with ``s`` (checked over the
     candidates). Linear in ``s`` because a graph's activations and outputs scale with its rows;
-    measure the slope from the pool bytes a capture reports (SPEC §6.7). Additive, so
+    measure the slope from the pool bytes a capture reports (docs/design.md §6.7). Additive, so
     conservative: with one shared pool, smaller graphs reuse blocks the largest one reserved and
     the real total is lower. A callable can add a fixed per-graph overhead.
 

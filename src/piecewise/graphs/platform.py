@@ -1,4 +1,4 @@
-"""The platform interface behind graph capture (SPEC §6.2).
+"""The platform interface behind graph capture (docs/design.md §6.2).
 
 Capture and replay need five things from a device: a graph object that records and replays work, a
 memory pool handle shared by all graphs of one model, the stream to capture on, a synchronize, and

@@ -1,4 +1,4 @@
-"""Sub-batch replay (SPEC §6.6): graphs of a callable over rows gathered from a larger batch.
+"""Sub-batch replay (docs/design.md §6.6): graphs of a callable over rows gathered from a larger batch.
 
 The pattern of draft and verification layers in speculative decoding: a few layers run on some
 rows of the batch only. `SubBatchReplay(fn, ...)(index, *inputs)` gathers ``inputs[index]`` into

@@ -1,4 +1,4 @@
-"""Per-piece graph capture and replay (SPEC §6.3).
+"""Per-piece graph capture and replay (docs/design.md §6.3).
 
 A `PieceGraphWrapper` stands in for one callable (a compiled piece, or the whole model in full
 mode) and keeps one `GraphEntry` per padded size. The forward context says whether this call

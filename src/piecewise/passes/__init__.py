@@ -1,4 +1,4 @@
-"""Post-grad passes (SPEC §7): the pass interface, the pass manager and the built-in passes.
+"""Post-grad passes (docs/design.md §7): the pass interface, the pass manager and the built-in passes.
 
 Configure passes on the `CompilationConfig`::
 

@@ -1,4 +1,4 @@
-"""The pass interface, the wrappers that turn plain callables into passes, and pass uuids (SPEC §7).
+"""The pass interface, the wrappers that turn plain callables into passes, and pass uuids (docs/design.md §7).
 
 A pass is a post-grad FX graph transform: it receives the functionalized, decomposed ATen graph
 Inductor is about to lower (one piece, one compile target) and rewrites it in place. Every pass has
