@@ -25,7 +25,8 @@ from .errors import (
 # Light modules (no torch). Imported here, not lazily, because `counters` and `forward_context`
 # are also submodule names: a later first import of the submodule would bind the module object
 # over a lazily exported name.
-from .config import CompilationConfig, CompileRange
+from .config import CompilationConfig
+from .targets import CompileRange
 from .counters import counters
 from .forward_context import BatchDescriptor, ForwardContext, forward_context
 
@@ -66,7 +67,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "BatchDescriptor",

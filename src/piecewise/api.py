@@ -1,7 +1,7 @@
 """`piecewise.compile`: the compile entry and guard-free dispatch (docs/design.md §4.1).
 
 The first call marks the dynamic dims, traces the model once with Dynamo (full-graph capture,
-`piecewise.capture`) and compiles it through a `PiecewiseBackend`. Dynamo's transformed bytecode for
+`piecewise.trace`) and compiles it through a `PiecewiseBackend`. Dynamo's transformed bytecode for
 ``forward`` is wrapped in a plain function; every later call runs that function
 directly, so Dynamo's guards are never evaluated again.
 
@@ -20,7 +20,7 @@ the model itself are refused (forward is called directly). Debug mode detects al
 Compiled models are for inference: every call runs under ``torch.no_grad()`` and outputs carry no
 autograd history.
 
-With a cache root, the first call first looks for a warm-start bundle (`piecewise.cache.bundle`): when
+With a cache root, the first call first looks for a warm-start bundle (`piecewise.warmstart`): when
 one matches this module and call and its guards pass, the model is rebuilt from it without tracing
 or compiling; otherwise it traces, and saves a bundle for the next process.
 
@@ -45,51 +45,31 @@ import torch
 
 from . import state
 from .backend import PiecewiseBackend
-from .cache.bundle import WarmStart
-from .capture import Capture, capture
+from .warmstart import StartSubject, WarmStart
+from .trace import Trace, trace
 from .config import CompilationConfig
 from .counters import counters
 from .errors import CompileError, ConfigError, GuardFailureError, InputError
 from .inputs import CallSignature
+from .registry import Registration, Registry
+from .tags import current_registry, release_tag, unique_tag
 
 __all__ = ["compile", "CompiledModel", "unique_tag", "register_route"]
 
 log = logging.getLogger("piecewise")
-
-_tags_lock = threading.Lock()
-_tags_used: set[str] = set()
-
-
-def unique_tag(base: str) -> str:
-    """`base`, or `base_<k>` with the smallest k making it unique among the live compiled regions
-    of this process (a tag is released when its model is garbage collected), so a program that
-    compiles its models in the same order gets the same tags - and cache entries - every run."""
-    with _tags_lock:
-        tag, k = base, 1
-        while tag in _tags_used:
-            tag = f"{base}_{k}"
-            k += 1
-        _tags_used.add(tag)
-        return tag
-
-
-def release_tag(tag: str) -> None:
-    with _tags_lock:
-        _tags_used.discard(tag)
-
 
 #: call routes, tried in order when a model is compiled: ``factory(module, config, tag)`` returns a
 #: callable ``route(args, kwargs)`` for modules it serves (else None); the route returns
 #: ``NotImplemented`` for a call it leaves to the model's own compiled forward. The transformers
 #: generation route (`piecewise.models.hf_generate`) registers itself this way, so this layer
 #: imports nothing from the models above it.
-_ROUTES: list[Callable[..., Any]] = []
+_ROUTES: Registry[Callable[..., Any]] = Registry("call route")
 
 
-def register_route(factory: Callable[..., Any]) -> None:
-    """Add a call-route factory (see `_ROUTES`); idempotent."""
-    if factory not in _ROUTES:
-        _ROUTES.append(factory)
+def register_route(factory: Callable[..., Any]) -> Registration:
+    """Add a call-route factory (see `_ROUTES`); registering one factory again replaces it in
+    place. Returns a `Registration` (``.remove()`` or a ``with`` block undoes it)."""
+    return _ROUTES.register(f"{factory.__module__}.{factory.__qualname__}", factory)
 
 
 class CompiledModel:
@@ -107,7 +87,7 @@ class CompiledModel:
         self.module = module
         self.config = config
         self.tag = unique_tag(config.tag or type(module).__name__)
-        weakref.finalize(self, release_tag, self.tag)
+        weakref.finalize(self, release_tag, self.tag, current_registry())
         self.backend: PiecewiseBackend | None = None
         self.timings: dict[str, float] = {}
         fn = type(module).forward
@@ -131,7 +111,7 @@ class CompiledModel:
         self.__signature__ = inspect.signature(types.MethodType(fn, module))
         self._route = None
         if config.mode != "none":
-            self._route = next((r for f in _ROUTES if (r := f(module, config, self.tag)) is not None), None)
+            self._route = next((r for f in _ROUTES.values() if (r := f(module, config, self.tag)) is not None), None)
         self._guards: Any = None  # Dynamo's guard manager of the trace (debug mode checks it)
         self._object_guards: Any = None  # guards rooted at object arguments, checked every call
         self._fast: Callable[..., Any] | None = None
@@ -195,7 +175,7 @@ class CompiledModel:
             else:
                 del self.module.forward
 
-    def _f_locals(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+    def frame_locals(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The frame locals ``forward`` would see for this call (what Dynamo's guards read)."""
         fn = self._forward_fn
         # the traced code's own parameters: a decorator's (*args, **kwargs), not the wrapped signature
@@ -248,7 +228,7 @@ class CompiledModel:
             if s.name not in self._signature.objects:
                 continue
             if s.name in named:
-                f_locals[s.name] = self._signature._value(s, args, kwargs)
+                f_locals[s.name] = self._signature.value(s, args, kwargs)
             else:
                 var_kw = next(p.name for p in self._params if p.kind == p.VAR_KEYWORD)
                 f_locals[var_kw] = {k: v for k, v in kwargs.items() if k not in named}
@@ -263,7 +243,7 @@ class CompiledModel:
 
     def _check_guards(self, args: tuple, kwargs: dict) -> None:
         """Debug mode: evaluate the first trace's Dynamo guards on this call's frame locals."""
-        f_locals = self._f_locals(args, kwargs)
+        f_locals = self.frame_locals(args, kwargs)
         if not self._guards.check(f_locals):
             failed = self._guards.check_verbose(f_locals).verbose_code_parts
             raise GuardFailureError(
@@ -284,7 +264,11 @@ class CompiledModel:
             args, kwargs = self._signature.check(args, kwargs)
             t0 = time.perf_counter()
             # Object arguments need the guard manager of a live trace (a bundle does not keep one).
-            start = WarmStart.open(self, args, kwargs) if not (self._signature.objects or self._skip_bundle) else None
+            start = None
+            if not (self._signature.objects or self._skip_bundle):
+                subject = StartSubject(self.config, self.tag, self.module, self._forward_fn,
+                                       tuple(self._signature.describe()), self.frame_locals)
+                start = WarmStart.open(subject, args, kwargs)
             if start is not None and start.fast is not None:
                 self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
                 self._record_state()
@@ -317,7 +301,7 @@ class CompiledModel:
                      self.timings["dynamo"], self.timings.get("split", 0.0), self.timings.get("compile", 0.0))
             return out
 
-    def _trace(self, args: tuple, kwargs: dict) -> Capture:
+    def _trace(self, args: tuple, kwargs: dict) -> Trace:
         import torch._dynamo.exc
         import torch.fx.experimental._config as fx_config
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
@@ -327,7 +311,7 @@ class CompiledModel:
             # shapes would otherwise make a second trace of the same code (after a state change,
             # or another instance) dynamic in whatever differed from the first.
             with fx_config.patch(backed_size_oblivious=True), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-                return capture(self.module, args, kwargs, self.backend, full_guards=self.config.debug,
+                return trace(self.module, args, kwargs, self.backend, full_guards=self.config.debug,
                                object_args=self._object_roots())
         except (torch._dynamo.exc.UserError, ConstraintViolationError) as e:
             raise ConfigError(

@@ -2,8 +2,9 @@
 
 Called by Dynamo with the FX graph and fake example inputs, it splits the graph at splitting ops,
 compiles every non-splitting piece for each entry of the `EntryTable` (deduplicating identical
-pieces), and returns a `StitchedForward`. A second call on the same instance is a recompile: it is
-counted and raised, never silently accepted.
+pieces), and returns the `StitchedForward` of a `CompiledForward` (`piecewise.compiled`). A warm
+start makes the same `CompiledForward` from a saved `CompiledPlan` (`restore`). A second call on
+the same instance is a recompile: it is counted and raised, never silently accepted.
 """
 
 from __future__ import annotations
@@ -24,67 +25,22 @@ from torch._dispatch.python import enable_python_dispatcher
 from .cache.key import KEY_FORMAT, compute_key, diff_factors, env_factors, input_signature, source_factors
 from .cache.store import CacheEntry, current_rank, resolve_root
 from .compilers import CompiledPiece, CompilerAdaptor, get_adaptor
-from .compilers.base import CompileTarget
 from .compilers.inductor import dispatch_symbol
 from .config import CompilationConfig
 from .counters import counters
-from .errors import CompileError, InputError, RecompileError
-from .forward_context import ForwardContext, _current
+from .compiled import CompiledForward, CompiledPlan, Load, Rebuild, Reuse, RunnerSpec, Step, StitchedForward, build_forward
+from .errors import CompileError, ConfigError, RecompileError
 from .ops import op_exists, resolve_splitting_ops
-from .piece import DispatchState, EntryKind, EntryTable, PieceRunner, piece_fingerprint
+from .graphs.install import graph_plan as plan_graphs
+from .graphs.install import token_mixing
+from .piece import EntryKind, EntryTable, PieceRunner, piece_fingerprint
 from .split import SplitResult, fx_forward, split_graph
+from .tags import unique_tag
+from .targets import CompileTarget
 
 __all__ = ["PiecewiseBackend", "StitchedForward", "dynamo_backend"]
 
 log = logging.getLogger("piecewise")
-
-
-class StitchedForward:
-    """The runtime callable Dynamo calls with the graph's flat inputs.
-
-    Per call: read the token count (the first SymInt input), pick the entry once, set the forward
-    context, run the split module's generated code (which calls `PieceRunner`s and eager splitting
-    pieces from plain attributes).
-    """
-
-    def __init__(self, split_gm: torch.fx.GraphModule, table: EntryTable, state: DispatchState,
-                 sym_index: int | None, tag: str, max_num_tokens: int) -> None:
-        self.forward = fx_forward(split_gm)
-        self.split_gm = split_gm
-        self.table = table
-        self.state = state
-        self.sym_index = sym_index
-        self.tag = tag
-        self.max_num_tokens = max_num_tokens
-        self.graphs: Any = None  # a graphs.dispatch.GraphDispatcher when graphs are captured
-
-    def __call__(self, *args: Any) -> Any:
-        if self.graphs is not None:
-            return self.graphs(args)
-        return self.run_plain(*args)
-
-    def run_plain(self, *args: Any) -> Any:
-        """One forward without graphs, at the call's own size."""
-        if self.sym_index is None:  # static shapes: one entry, no token count to report
-            self.state.entry = 0
-            return self.forward(*args)
-        else:
-            n = args[self.sym_index]
-            e = self.table.index_for(n)
-            if e < 0:
-                raise InputError(
-                    f"dynamic size {n} exceeds max_num_tokens={self.max_num_tokens} of tag {self.tag!r}; "
-                    "raise max_num_tokens in the CompilationConfig"
-                )
-            self.state.entry = e
-        token = _current.set(ForwardContext(n, n, "none", None, self.tag))
-        try:
-            return self.forward(*args)
-        finally:
-            _current.reset(token)
-
-    def select_entry(self, n: int) -> None:
-        self.state.entry = self.table.index_for(n)
 
 
 class PiecewiseBackend:
@@ -104,25 +60,46 @@ class PiecewiseBackend:
         self.call_signature = list(call_signature or [])
         self.cache: CacheEntry | None = None
         self.factors: dict[str, Any] = {}
-        self.graph_runner: Any = None  # graphs.wrapper.GraphRunner when graphs are captured
-        self.stitched_wrappers: list[Any] = []  # per-piece graph wrappers, in piece order
         self.adaptor: CompilerAdaptor = get_adaptor(config.backend, config)
         self.split_ops = resolve_splitting_ops(config.splitting_ops) if config.mode == "piecewise" else ()
-        self.compiled: StitchedForward | None = None
-        self.split: SplitResult | None = None
-        self.runners: list[PieceRunner] = []
-        self.table: EntryTable | None = None
+        #: the compiled graph (None until the first call)
+        self.result: CompiledForward | None = None
         self.traced_files: set[str] = set()
         self.timings: dict[str, float] = {}
         self.graph_code = ""
-        self._recipes: dict[str, list[list[Any]] | None] = {}
-        self._sym_index: int | None = None
-        self._graph_plan: dict[str, Any] | None = None
-        self._device = "cpu"
+        self._mixing: list[str] = []
+        self._cache_meta: dict[str, Any] | None = None
+
+    # what tests and tools read, from the compiled result
+    @property
+    def compiled(self) -> StitchedForward | None:
+        return self.result.stitched if self.result is not None else None
+
+    @property
+    def split(self) -> SplitResult | None:
+        return self.result.split if self.result is not None else None
+
+    @property
+    def runners(self) -> list[PieceRunner]:
+        return self.result.runners if self.result is not None else []
+
+    @property
+    def table(self) -> EntryTable | None:
+        return self.result.table if self.result is not None else None
+
+    @property
+    def graph_pool(self) -> Any:
+        """The `graphs.wrapper.GraphPool` of captured graphs, or None."""
+        return self.result.graphs.pool if self.result is not None and self.result.graphs is not None else None
+
+    @property
+    def stitched_wrappers(self) -> list[Any]:
+        """Per-piece graph wrappers, in piece order ([] without piecewise graphs)."""
+        return self.result.graphs.wrappers if self.result is not None and self.result.graphs is not None else []
 
     # -- phases -------------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        if self.compiled is not None:
+        if self.result is not None:
             counters.bump("recompiles", tag=self.tag)
             raise RecompileError(
                 f"tag {self.tag!r} was asked to compile a second graph; an input changed in a way the first trace "
@@ -134,23 +111,23 @@ class PiecewiseBackend:
         graph_hash = hashlib.sha256(gm.code.encode()).hexdigest()  # before splitting rewrites the graph
         self._mixing = self._token_mixing(gm, example_inputs)
         t0 = time.perf_counter()
-        self.split = self._split(gm)
+        split = self._split(gm)
         self.timings["split"] = time.perf_counter() - t0
         self.timings["cache_load"] = 0.0
         fake_mode, fake_inputs = _fake_inputs(example_inputs)
-        self.cache = self._open_cache(graph_hash, fake_inputs)
+        self.cache = self._open_cache(graph_hash, fake_inputs, split)
         t0 = time.perf_counter()
-        self.compiled = self._compile(self.split, fake_mode, fake_inputs)
+        self.result = self._compile(split, fake_mode, fake_inputs)
         self.timings["compile"] = time.perf_counter() - t0 - self.timings["cache_load"]
-        self.graph_code = render_split_graph(self.split)
+        self.graph_code = render_split_graph(split)
         if self.cache is not None and (self.cache.saved or self.cache.index is None):
             self.cache.commit(self._cache_meta, self.factors, self.graph_code)
         log.info(
             "[%s] %d pieces (%d compiled, %d distinct) split in %.3fs, compiled in %.3fs with %s",
-            self.tag, len(self.split.items), len(self.runners), len({r.fingerprint for r in self.runners}),
+            self.tag, len(split.items), len(self.runners), len({r.fingerprint for r in self.runners}),
             self.timings["split"], self.timings["compile"], self.adaptor.name,
         )
-        return self.compiled
+        return self.result.stitched
 
     def _token_mixing(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
         """Nodes that combine values across tokens (`graphs.setup.token_mixing`), when graphs may be
@@ -160,13 +137,11 @@ class PiecewiseBackend:
         symbol = dispatch_symbol(example_inputs)
         if symbol is None:
             return []
-        from .graphs.setup import token_mixing
-
         return token_mixing(gm, symbol, frozenset(self.split_ops))
 
     def key_factors(self, graph_hash: str, example_inputs: Sequence[Any]) -> dict[str, Any]:
         """Every factor of the cache key, raw (docs/design.md §5.2)."""
-        from . import __version__
+        from ._version import __version__
 
         return {
             "key_format": KEY_FORMAT,
@@ -181,7 +156,7 @@ class PiecewiseBackend:
             "graph": graph_hash,
         }
 
-    def _open_cache(self, graph_hash: str, example_inputs: Sequence[Any]) -> CacheEntry | None:
+    def _open_cache(self, graph_hash: str, example_inputs: Sequence[Any], split: SplitResult) -> CacheEntry | None:
         self.factors = self.key_factors(graph_hash, example_inputs)
         root = resolve_root(self.config.cache_dir)
         if root is None:
@@ -189,8 +164,8 @@ class PiecewiseBackend:
         key = compute_key(self.factors)
         entry = CacheEntry(root, key, self.tag, rank=current_rank())
         self._cache_meta = {
-            "num_pieces": len(self.split.items),
-            "num_compiled": len(self.split.items) - self.split.num_splitting,
+            "num_pieces": len(split.items),
+            "num_compiled": len(split.items) - split.num_splitting,
             "adaptor": self.adaptor.name,
             "compile_targets": [e.target.key for e in EntryTable(self.config, dynamic=any(isinstance(x, torch.SymInt) for x in example_inputs)).entries],
         }
@@ -220,13 +195,18 @@ class PiecewiseBackend:
         counters.bump("pieces_compiled", len(result.items) - n_split, tag=self.tag)
         return result
 
-    def _compile(self, split: SplitResult, fake_mode: Any, fake_inputs: list[Any]) -> StitchedForward:
-        table: EntryTable
-        symbol: Any = None
-        state = DispatchState()
+    def _compile(self, split: SplitResult, fake_mode: Any, fake_inputs: list[Any]) -> CompiledForward:
+        """Propagate the fake inputs through the split module, compiling each distinct piece for
+        every compile entry on the way; then build the `CompiledForward`."""
         by_name = {it.name: it for it in split.items}
-        compiled_by_fp: dict[str, list[Callable[..., Any]]] = {}
+        specs: list[RunnerSpec] = []
+        callables: dict[str, list[Callable[..., Any]]] = {}
+        steps: dict[str, tuple[Step, ...] | None] = {}
         progress = _progress(len(split.items) - split.num_splitting, f"compiling {self.tag}")
+        sym_index = next((i for i, x in enumerate(fake_inputs) if isinstance(x, torch.SymInt)), None)
+        device = next((x.device.type for x in fake_inputs if isinstance(x, torch.Tensor)), "cpu")
+        symbol = dispatch_symbol(fake_inputs) if sym_index is not None else None
+        table = EntryTable(self.config, dynamic=sym_index is not None)
         backend = self
 
         class _Propagate(torch.fx.Interpreter):
@@ -234,75 +214,39 @@ class PiecewiseBackend:
                 item = by_name.get(target)
                 if item is not None and not item.is_splitting:
                     fp = piece_fingerprint(item.graph, args)
-                    runner = PieceRunner(item.name, item.index, item.graph, state, fp)
-                    if fp not in compiled_by_fp:
-                        compiled_by_fp[fp] = backend._compile_piece(item.graph, args, table, symbol, fp)
-                    runner.callables = compiled_by_fp[fp]
-                    backend.runners.append(runner)
+                    if fp not in callables:
+                        callables[fp], steps[fp] = backend._compile_piece(item.graph, args, table, symbol, fp)
+                    specs.append(RunnerSpec(item.name, item.index, fp))
                     progress.update(1)
                 return super().call_module(target, args, kwargs)
 
-        sym_index = next((i for i, x in enumerate(fake_inputs) if isinstance(x, torch.SymInt)), None)
-        self._device = next((x.device.type for x in fake_inputs if isinstance(x, torch.Tensor)), "cpu")
-        symbol = dispatch_symbol(fake_inputs) if sym_index is not None else None
-        self.table = table = EntryTable(self.config, dynamic=sym_index is not None)
         # Inference only: pieces compile without autograd (no joint graphs), whatever the caller's mode.
         with fake_mode, enable_python_dispatcher(), torch.no_grad():
             fake_outputs = _Propagate(split.split_module).run(*fake_inputs)
         progress.close()
-        graph_plan = None
-        if sym_index is not None:
-            from .graphs.setup import graph_plan as plan_graphs
+        graph_plan = plan_graphs(fake_inputs, fake_outputs, symbol, self._mixing) if sym_index is not None else None
+        plan = None
+        if all(s is not None for s in steps.values()):
+            plan = CompiledPlan(
+                runners=tuple(specs), steps={fp: s for fp, s in steps.items() if s is not None}, sym_index=sym_index,
+                graph_plan=graph_plan, cache_key=self.cache.key if self.cache is not None else None,
+                cache_meta=self._cache_meta, traced_files=tuple(sorted(self.traced_files)),
+                splitting=tuple(it.index for it in split.items if it.is_splitting), device=device)
+        return build_forward(self.config, self.tag, split, table, specs, callables, sym_index, graph_plan, plan)
 
-            graph_plan = plan_graphs(fake_inputs, fake_outputs, symbol, self.tag, getattr(self, "_mixing", ()))
-        return self._stitch(split, state, sym_index, graph_plan)
-
-    def _stitch(self, split: SplitResult, state: DispatchState, sym_index: int | None,
-                graph_plan: dict[str, Any] | None) -> StitchedForward:
-        """Install the runners and splitting pieces in the split module; wrap it for dispatch."""
-        split_gm = split.split_module
-        # Instance attributes win over nn.Module.__getattr__, so the generated forward calls these
-        # directly; splitting pieces skip Module.__call__ overhead through their bound forward.
-        for item in split.items:
-            if item.is_splitting:
-                split_gm.__dict__[item.name] = fx_forward(item.graph)
-        for runner in self.runners:
-            split_gm.__dict__[runner.name] = runner
-        self._sym_index, self._graph_plan = sym_index, graph_plan
-        stitched = StitchedForward(split_gm, self.table, state, sym_index, self.tag, self.config.max_num_tokens)
-        if graph_plan is not None:
-            from .graphs.setup import install_graphs
-
-            stitched.graphs = install_graphs(self, stitched, graph_plan)
-        return stitched
-
-    # -- warm start (piecewise.cache.bundle) ----------------------------------------------------
-    def plan(self) -> dict[str, Any]:
-        """How to rebuild this backend's `StitchedForward` from the cache without tracing, as plain
-        data: runners in call order with fingerprints, per fingerprint one recipe per entry
-        (``["artifact", name]`` to load, ``["same", j]`` to reuse entry j, ``["rebuild"]`` for an
-        adaptor that rebuilds from the piece graph), dispatch index, graph-capture plan.
+    # -- warm start (piecewise.warmstart) -------------------------------------------------------
+    def plan(self) -> CompiledPlan:
+        """How to rebuild this backend's compiled forward from the cache without tracing.
 
         Raises:
             CompileError: a piece has no saved artifact (its compile was not serialisable, or the
                 cache is not writable), so a warm start could not rebuild it.
         """
-        missing = [fp for fp, r in self._recipes.items() if r is None]
-        if missing:
-            raise CompileError(f"{len(missing)} distinct piece(s) have no saved artifact")
-        return {
-            "runners": [[r.name, r.index, r.fingerprint] for r in self.runners],
-            "recipes": dict(self._recipes),
-            "sym_index": self._sym_index,
-            "graph_plan": self._graph_plan,
-            "cache_key": self.cache.key if self.cache is not None else None,
-            "cache_meta": getattr(self, "_cache_meta", None),
-            "traced_files": sorted(self.traced_files),
-            "splitting": [it.index for it in self.split.items if it.is_splitting],
-            "device": self._device,
-        }
+        if self.result is None or self.result.plan is None:
+            raise CompileError("a distinct piece has no saved artifact")
+        return self.result.plan
 
-    def restore(self, split: SplitResult, plan: dict[str, Any], cache: CacheEntry) -> StitchedForward:
+    def restore(self, split: SplitResult, plan: CompiledPlan, cache: CacheEntry) -> StitchedForward:
         """The `StitchedForward` of `plan` over `split`, every compiled piece loaded from `cache`
         (an opened compile entry); nothing is traced or compiled.
 
@@ -310,59 +254,57 @@ class PiecewiseBackend:
             CompileError: an artifact is missing or unusable (it was reported and moved aside); the
                 caller traces instead, which recompiles just that piece.
         """
-        self.split, self.cache = split, cache
-        self.traced_files = set(plan["traced_files"])
+        self.cache = cache
+        self.traced_files = set(plan.traced_files)
         self.timings["cache_load"] = 0.0
         by_name = {it.name: it for it in split.items}
-        state = DispatchState()
-        self.table = EntryTable(self.config, dynamic=plan["sym_index"] is not None)
+        table = EntryTable(self.config, dynamic=plan.sym_index is not None)
         callables: dict[str, list[Callable[..., Any]]] = {}
-        for name, index, fp in plan["runners"]:
-            graph = by_name[name].graph
-            if fp not in callables:
-                fx_forward(graph)  # an adaptor may read the piece's code (graphs from a bundle come without it)
-                out: list[Callable[..., Any]] = []
-                for recipe in plan["recipes"][fp]:
-                    if recipe[0] == "same":
-                        out.append(out[recipe[1]])
-                    elif recipe[0] == "rebuild":
-                        out.append(self.adaptor.compile(graph, (), CompileTarget()).fn)
-                    else:
-                        fn = self._load_artifact(recipe[1], graph)
-                        if fn is None:
-                            raise CompileError(f"artifact {recipe[1]} is not in the cache")
-                        out.append(fn)
-                callables[fp] = out
-            runner = PieceRunner(name, index, graph, state, fp)
-            runner.callables = callables[fp]
-            self.runners.append(runner)
+        for spec in plan.runners:
+            if spec.fingerprint in callables:
+                continue
+            graph = by_name[spec.name].graph
+            fx_forward(graph)  # an adaptor may read the piece's code (graphs from a bundle come without it)
+            out: list[Callable[..., Any]] = []
+            for step in plan.steps[spec.fingerprint]:
+                if isinstance(step, Reuse):
+                    out.append(out[step.entry])
+                elif isinstance(step, Rebuild):
+                    out.append(self.adaptor.compile(graph, (), CompileTarget()).fn)
+                else:
+                    fn = self._load_artifact(step.name, graph)
+                    if fn is None:
+                        raise CompileError(f"artifact {step.name} is not in the cache")
+                    out.append(fn)
+            callables[spec.fingerprint] = out
         n_split = split.num_splitting
         counters.bump("cache_hits", tag=self.tag)
         counters.bump("pieces_seen", len(split.items), tag=self.tag)
         counters.bump("splitting_pieces", n_split, tag=self.tag)
         counters.bump("pieces_compiled", len(split.items) - n_split, tag=self.tag)
-        self.compiled = self._stitch(split, state, plan["sym_index"], plan["graph_plan"])
-        return self.compiled
+        self.result = build_forward(self.config, self.tag, split, table, plan.runners, callables, plan.sym_index,
+                                    plan.graph_plan, plan)
+        return self.result.stitched
 
     def _compile_piece(self, graph: torch.fx.GraphModule, args: Sequence[Any], table: EntryTable, symbol: Any,
-                       fingerprint: str) -> list[Callable[..., Any]]:
-        """Compile one distinct piece for every entry; returns the callables in entry order and
-        records how a warm start rebuilds them (`plan`)."""
+                       fingerprint: str) -> tuple[list[Callable[..., Any]], tuple[Step, ...] | None]:
+        """Compile one distinct piece for every entry: the callables in entry order, and how a warm
+        start rebuilds them (None: some compile could not be saved)."""
         out: list[Callable[..., Any]] = []
-        recipe: list[list[Any]] = []
+        recipe: list[Step] = []
         restorable = True
         shared: CompiledPiece | None = None
         for entry in table.entries:
             if shared is not None and not self.adaptor.specializes_sizes:
                 out.append(shared.fn)
-                recipe.append(["same", 0])
+                recipe.append(Reuse(0))
                 continue
             target = CompileTarget(entry.target.compile_range, entry.target.size, symbol)
             name = f"{fingerprint[:32]}.{target.key}"
             loaded = self._load_artifact(name, graph)
             if loaded is not None:
                 out.append(loaded)
-                recipe.append(["artifact", name])
+                recipe.append(Load(name))
                 continue
             t0 = time.perf_counter()
             try:
@@ -374,7 +316,7 @@ class PiecewiseBackend:
                 log.warning("[%s] %s; using the symbolic compile for %s", self.tag, e, target.label)
                 j = _symbolic_entry_for(table, entry.target.size)
                 out.append(out[j])
-                recipe.append(["same", j])
+                recipe.append(Reuse(j))
                 continue
             counters.bump("compiler_invocations", tag=self.tag)
             log.debug("[%s] compiled a piece for %s in %.3fs", self.tag, target.label, time.perf_counter() - t0)
@@ -383,15 +325,14 @@ class PiecewiseBackend:
                 saved = self.cache.save_artifact(name, piece.payload)
                 counters.bump("artifacts_saved", tag=self.tag)
             if saved:
-                recipe.append(["artifact", name])
+                recipe.append(Load(name))
             elif not self.adaptor.saves_artifacts and self.adaptor.rebuilds_from_graph:
-                recipe.append(["rebuild"])
+                recipe.append(Rebuild())
             else:
                 restorable = False
             shared = shared or piece
             out.append(piece.fn)
-        self._recipes[fingerprint] = recipe if restorable else None
-        return out
+        return out, (tuple(recipe) if restorable else None)
 
     def _load_artifact(self, name: str, graph: torch.fx.GraphModule) -> Callable[..., Any] | None:
         """A callable loaded from the cache, or None (not cached, or bad: reported and moved aside)."""
@@ -442,7 +383,7 @@ def explain_miss(root: str, tag: str, factors: dict[str, Any], path: str) -> Non
     import glob
     import json
 
-    from .cache.store import INDEX, IndexError_, read_index
+    from .cache.store import INDEX, CacheIndexError, read_index
 
     best: tuple[int, float, str, list[str]] | None = None  # (differences, -mtime, dir, names)
     for f in glob.glob(os.path.join(glob.escape(root), "*", "rank_*", glob.escape(tag), "cache_key_factors.json")):
@@ -460,7 +401,7 @@ def explain_miss(root: str, tag: str, factors: dict[str, Any], path: str) -> Non
         try:
             if read_index(os.path.join(entry, INDEX))["meta"].get("kind") == "bundle":
                 continue
-        except (IndexError_, OSError, KeyError, TypeError, AttributeError):
+        except (CacheIndexError, OSError, KeyError, TypeError, AttributeError):
             pass  # an entry without a (valid) index yet is still a compile entry to compare with
         names = diff_factors(old, factors)
         cand = (len(names), -mtime, entry, names)
@@ -515,11 +456,7 @@ def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     Dynamo hands over for a frame after its first is counted in ``recompiles`` and logged at INFO
     with Dynamo's reason; graph-break pieces of one compile are not recompiles.
     """
-    from .api import unique_tag
-
     if mode is not None:
-        from .errors import ConfigError
-
         raise ConfigError(f"torch.compile(..., mode={mode!r}) is not a piecewise setting; pass CompilationConfig fields "
                           "as options={...} (e.g. options={'cudagraph_mode': 'full'})")
     config = CompilationConfig.from_env(**dict(options or {}))
@@ -557,8 +494,8 @@ def _dynamo_recompile() -> tuple[str, int, str] | None:
         from torch._dynamo.utils import get_metrics_context
 
         reason = getattr(get_metrics_context(), "_metrics", {}).get("recompile_reason")
-    except Exception:  # another torch: the count still holds
-        pass
+    except Exception as e:  # another torch: the count still holds
+        log.debug("Dynamo's recompile reason is not readable here (%s: %s)", type(e).__name__, e)
     codes = getattr(ctx, "traced_code", None) or []
     code = codes[0] if codes else None  # the frame's own code comes first, then what it inlined
     where = f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else f"frame {cid}"

@@ -8,6 +8,8 @@ import argparse
 import logging
 import sys
 
+from .errors import CacheError
+
 __all__ = ["main"]
 
 
@@ -96,7 +98,7 @@ def _cache(args: argparse.Namespace) -> int:
         print(f"exported {n} entr{'y' if n == 1 else 'ies'} to {args.archive}")
         return 0
     if cmd == "import":
-        n, warns = tools.import_archive(root, args.archive)
+        n, warns = tools.import_archive(root, args.archive, compiler_hash=_compiler_hash)
         for w in warns:
             print("warning:", w)
         print(f"imported {n} entr{'y' if n == 1 else 'ies'} into {root}")
@@ -162,12 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _compiler_hash(name: str) -> str:
+    """The hash compiler adaptor `name` has in this process (what an imported entry is compared with)."""
+    from .compilers import get_adaptor
+    from .config import CompilationConfig
+    from .errors import PiecewiseError
+
+    try:
+        return get_adaptor(name, CompilationConfig(backend=name)).compute_hash()
+    except PiecewiseError:
+        return f"<adaptor {name!r} not registered in this process>"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     try:
         return args.func(args)
-    except (LookupError, ValueError, OSError) as e:
+    except (CacheError, ValueError, OSError) as e:
         print(f"piecewise: {e}", file=sys.stderr)
         return 2
 

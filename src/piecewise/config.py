@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigError
+from .targets import CompileRange
 
 __all__ = ["CompilationConfig", "CompileRange", "MODES", "CUDAGRAPH_MODES"]
 
@@ -36,20 +37,8 @@ CODE_FIELDS = (
     "noop_elimination",
     "reinplace_custom_ops",
 )
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class CompileRange:
-    """An inclusive range of runtime token counts `[start, end]` compiled as one artifact."""
-
-    start: int
-    end: int
-
-    def __contains__(self, n: object) -> bool:
-        return isinstance(n, int) and self.start <= n <= self.end
-
-    def __str__(self) -> str:
-        return f"[{self.start}, {self.end}]"
+#: fields that configure the post-grad pass pipeline: they reach the key through the compiler hash
+PASS_FIELDS = frozenset({"passes", "noop_elimination", "reinplace_custom_ops"})
 
 
 def _int_list(name: str, value: Any) -> tuple[int, ...]:
@@ -199,16 +188,19 @@ class CompilationConfig:
         return tuple(out)
 
     def code_factors(self) -> dict[str, Any]:
-        """The fields that change generated code, as JSON-ready data (for the cache key)."""
+        """The fields that change generated code, as JSON-ready data (for the cache key). The pass
+        fields (`PASS_FIELDS`) are left out: the adaptor that runs the passes puts their uuids in
+        its `compute_hash` (Inductor's does; the eager adaptor runs no passes), so they enter the
+        key once."""
         from .ops import normalize_op_name
 
         out: dict[str, Any] = {}
         for name in CODE_FIELDS:
+            if name in PASS_FIELDS:
+                continue  # they enter through the compiler hash of the adaptor that runs them
             v = getattr(self, name)
             if name == "splitting_ops" and v is not None:
                 v = sorted({normalize_op_name(o) for o in v})
-            elif name == "passes":
-                v = [[p.name, p.uuid()] for p in v]
             elif isinstance(v, tuple):
                 v = list(v)
             elif isinstance(v, dict):

@@ -62,7 +62,7 @@ def _medians_ms(sizes: Sequence[int], seconds: Sequence[float]) -> dict[int, flo
 
 def _cache_state(cm) -> str:
     """How the first call started; a start that traced says why no warm-start bundle served it."""
-    from .cache.bundle import miss_reasons
+    from .warmstart import miss_reasons
 
     t = counters.by_tag[cm.tag]
     if t.bundle_hits:

@@ -3,6 +3,11 @@
 Set by the compiled model around each forward (a `contextvars.ContextVar`, restored on exit even
 when the forward raises), so an attention op can learn the real and the padded token count and
 skip pad rows.
+
+One writer API: `set_forward_context` (a context manager) or, on hot paths where a generator
+frame per call costs too much, the pair ``token = enter_forward(ctx)`` ... ``exit_forward(token)``
+in a ``try/finally``. Readers call `forward_context()` (or `current_forward_context`, the same
+without a Python frame). No module touches the variable itself.
 """
 
 from __future__ import annotations
@@ -10,10 +15,31 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import enum
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["BatchDescriptor", "ForwardContext", "forward_context", "set_forward_context"]
+__all__ = ["BatchDescriptor", "ForwardContext", "RuntimeMode", "forward_context", "set_forward_context", "enter_forward",
+           "exit_forward", "current_forward_context"]
+
+
+class RuntimeMode(str, enum.Enum):
+    """How a forward runs (`ForwardContext.runtime_mode`). A `str` enum: ``ctx.runtime_mode ==
+    "full"`` holds for `RuntimeMode.FULL`, so splitting ops written against the strings keep working.
+
+    NONE: no graph replay (the pieces run at the call's size, or a padded size being verified).
+    PIECEWISE: each compiled piece replays its own graph; splitting ops run eagerly in between.
+    FULL: one graph over the whole forward, splitting ops included.
+    SUB_BATCH: a `graphs.subbatch.SubBatchGraph` replays a graph over gathered rows.
+    """
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+    SUB_BATCH = "sub_batch"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +57,7 @@ class ForwardContext:
     Attributes:
         num_tokens: the real size of the dynamic dim.
         padded_num_tokens: the size the pieces run at (>= num_tokens; equal without graphs).
-        runtime_mode: ``"none"``, ``"piecewise"`` or ``"full"`` graph replay.
+        runtime_mode: a `RuntimeMode`.
         batch_descriptor: the descriptor of the graph this call replays, or None.
         tag: the compiled region's tag.
         num_tokens_device: under graph replay, a 0-d int64 tensor on the model's device holding
@@ -42,7 +68,7 @@ class ForwardContext:
 
     num_tokens: int
     padded_num_tokens: int
-    runtime_mode: str = "none"
+    runtime_mode: RuntimeMode = RuntimeMode.NONE
     batch_descriptor: BatchDescriptor | None = None
     tag: str | None = None
     num_tokens_device: Any = None
@@ -56,10 +82,20 @@ def forward_context() -> ForwardContext | None:
     return _current.get()
 
 
+#: ``enter_forward(ctx) -> token``: make `ctx` current; undo with ``exit_forward(token)`` in a
+#: ``finally`` (the allocation-free form of `set_forward_context` for per-call paths).
+enter_forward = _current.set
+#: ``exit_forward(token)``: restore the context current before the matching `enter_forward`.
+exit_forward = _current.reset
+#: `forward_context` without a Python frame (per-piece paths).
+current_forward_context = _current.get
+
+
 @contextlib.contextmanager
 def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    token = _current.set(ctx)
+    """Make `ctx` current for the block (restored on exit, exceptions included)."""
+    token = enter_forward(ctx)
     try:
         yield ctx
     finally:
-        _current.reset(token)
+        exit_forward(token)

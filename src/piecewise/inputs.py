@@ -19,6 +19,8 @@ naming the argument and the remedy for anything the trace could not cover:
 
 from __future__ import annotations
 
+import logging
+
 import copy
 import dataclasses
 import inspect
@@ -29,6 +31,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import InputError
+
+log = logging.getLogger("piecewise")
 
 __all__ = ["CallSignature"]
 
@@ -88,7 +92,9 @@ def _same(a: Any, b: Any) -> bool:
         return False
     try:
         return bool(a == b)
-    except Exception:  # objects without a scalar ==
+    except Exception as e:  # objects without a scalar ==
+        log.debug("%s == %s raised %s: %s; taken as different", type(a).__qualname__, type(b).__qualname__,
+                  type(e).__name__, e)
         return False
 
 
@@ -269,14 +275,14 @@ class CallSignature:
                                  f"non-tensor arguments cannot change after the first call. Pass the traced value, or "
                                  f"{_remedy_tag(spec.name)}")
         for group in self.alias_groups:
-            first = self._value(self.specs[group[0]], args, kwargs)
-            if any(self._value(self.specs[i], args, kwargs) is not first for i in group[1:]):
+            first = self.value(self.specs[group[0]], args, kwargs)
+            if any(self.value(self.specs[i], args, kwargs) is not first for i in group[1:]):
                 names = [self.specs[i].name for i in group]
                 raise InputError(f"[{self.tag}] arguments {names} were one tensor when traced and differ now; the trace "
                                  "reads only one of them. Pass distinct tensors on the first call too")
         return (tuple(new_args) if new_args is not None else args), kwargs
 
-    def _value(self, spec: ArgSpec, args: tuple, kwargs: dict) -> Any:
+    def value(self, spec: ArgSpec, args: tuple, kwargs: dict) -> Any:
         return args[spec.position] if spec.position is not None and spec.position < len(args) else kwargs.get(spec.name)
 
     def _check_tree(self, spec: ArgSpec, v: Any) -> None:

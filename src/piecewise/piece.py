@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from .compilers.base import CompileTarget
-from .config import CompilationConfig, CompileRange
+from .config import CompilationConfig
+from .targets import CompileRange, CompileTarget
 
 __all__ = ["EntryKind", "Entry", "EntryTable", "DispatchState", "PieceRunner", "piece_fingerprint"]
 

@@ -220,7 +220,7 @@ def test_debug_mode_always_traces(tmp_path):
 
 
 def test_fingerprint_tells_constructor_arguments_apart():
-    from piecewise.cache.bundle import module_fingerprint
+    from piecewise.warmstart import module_fingerprint
 
     fp = module_fingerprint
     assert fp(ToyTransformer(2, dim=16)) == fp(ToyTransformer(2, dim=16, seed=5))  # weights' values do not count
@@ -287,7 +287,7 @@ def test_an_unexpected_failure_while_loading_a_bundle_falls_back_with_one_warnin
     import gc
     import warnings
 
-    from piecewise.cache import bundle
+    from piecewise import warmstart as bundle
 
     cfg = pw.CompilationConfig(backend="eager", cache_dir=str(tmp_path / "c"))
     cm = pw.compile(ToyTransformer(1, dim=8), cfg, dynamic_arg_dims={"x": 0})
@@ -359,7 +359,7 @@ def test_the_same_module_name_from_another_checkout_is_not_served_from_the_bundl
 def test_start_key_covers_class_data_closure_values_threads_and_global_hooks():
     import functools
 
-    from piecewise.cache.bundle import module_fingerprint, start_factors
+    from piecewise.warmstart import module_fingerprint, start_factors
     from piecewise.backend import PiecewiseBackend
 
     class Scaled(torch.nn.Module):
@@ -420,7 +420,7 @@ class _Tied(torch.nn.Module):
 
 
 def test_tied_weights_and_shared_objects_enter_the_fingerprint():
-    from piecewise.cache.bundle import module_fingerprint as fp
+    from piecewise.warmstart import module_fingerprint as fp
 
     assert fp(_Tied(True)) != fp(_Tied(False))
     assert fp(_Tied(True)) == fp(_Tied(True, seed=3))
@@ -475,7 +475,7 @@ def test_saved_guards_of_the_reference_decoder_do_not_reach_into_the_module(tmp_
 
 
 def test_guards_left_to_the_fingerprint_are_only_those_it_records():
-    from piecewise.capture import _fingerprint_covers as covers
+    from piecewise.trace import _fingerprint_covers as covers
 
     m = ToyTransformer(2, dim=8)
     m.deep = {"a": {"b": {"c": 1}}}  # described two levels deep: "c" is beyond the fingerprint

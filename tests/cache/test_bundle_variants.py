@@ -113,7 +113,7 @@ def test_cache_ls_shows_every_bundle_and_clear_removes_them(tmp_path, scale):
 
 
 def test_a_global_value_that_cannot_be_recorded_saves_no_bundle(tmp_path, monkeypatch, caplog):
-    from piecewise import capture
+    from piecewise import trace as capture
 
     def refuse(guard_type, value):
         raise capture.Unrecordable(f"a {type(value).__name__} (test)")
@@ -142,7 +142,7 @@ def test_a_miss_names_the_start_factor_that_differs(tmp_path, caplog):
 
 
 def test_canonical_records_tell_values_and_types_apart():
-    from piecewise.capture import Unrecordable, _canonical, _recorded
+    from piecewise.trace import Unrecordable, _canonical, _recorded
 
     assert len({_canonical(2), _canonical(2.0), _canonical(True)}) == 3
     assert _canonical(math.nan) == _canonical(float("nan")) and _canonical(0.0) != _canonical(-0.0)
@@ -213,7 +213,7 @@ FROZENSET_MODEL = '''
 import json, sys, torch
 import piecewise as pw
 import piecewise.models.toy
-from piecewise.cache.bundle import module_fingerprint
+from piecewise.warmstart import module_fingerprint
 
 
 def pick(x, mode="gelu"):

@@ -21,7 +21,7 @@ from piecewise.models.toy import TwoSplitModel
 
 def _entry_files(root):
     out = []
-    for rel, path in tools._entry_dirs(root):
+    for rel, path in tools.entry_dirs(root):
         for dirpath, _, files in os.walk(path):
             if os.path.basename(dirpath) == "quarantine":
                 continue

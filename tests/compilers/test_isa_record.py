@@ -1,4 +1,4 @@
-"""The recorded answer of Inductor's CPU vector-ISA probe (`piecewise.compilers.inductor`).
+"""The recorded answer of Inductor's CPU vector-ISA probe (`piecewise.compilers.isa_record`).
 
 Each check runs in a fresh process: the probe's answer is memoised per process.
 """
@@ -14,17 +14,17 @@ CHECK = r'''
 import json, sys
 import torch
 from torch._inductor import cpu_vec_isa
-from piecewise.compilers import inductor as I
+from piecewise.compilers import isa_record as I
 
 root = sys.argv[1]
 probes = []
 orig = cpu_vec_isa.VecISA.check_build
 cpu_vec_isa.VecISA.check_build = lambda self, code: probes.append(str(self)) or orig(self, code)
 if sys.argv[2] == "probe":
-    I._probe_vec_isas(root)
+    I.probe(root)
     used = False
 else:
-    used = I._use_isa_record(root)
+    used = I.use_record(root)
 print(json.dumps({"used": used, "isa": [str(i) for i in cpu_vec_isa.valid_vec_isa_list()],
                   "picked": str(cpu_vec_isa.pick_vec_isa()), "probes": probes}))
 '''

@@ -94,15 +94,5 @@ class FakePlatform(GraphPlatform):
 def fake_cpu_platform(**kw):
     """Register a FakePlatform for device type "cpu" for the duration of the block."""
     platform = FakePlatform(**kw)
-    previous = resolve_platform  # noqa: F841 (documented restore below)
-    from piecewise.graphs import platform as mod
-
-    old = mod._platforms.get("cpu")
-    register_platform("cpu", lambda: platform)
-    try:
+    with register_platform("cpu", lambda: platform):
         yield platform
-    finally:
-        if old is None:
-            mod._platforms.pop("cpu", None)
-        else:
-            mod._platforms["cpu"] = old

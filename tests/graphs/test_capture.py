@@ -358,7 +358,7 @@ def test_a_second_model_captures_cleanly_after_the_first_is_deleted():
         a = ToyTransformer(num_layers=2, dim=16, seed=1)
         ca = _compile(a)
         ca(torch.randn(3, 16))
-        pool_a = ca.backend.graph_runner.pool
+        pool_a = ca.backend.graph_pool.pool
         del ca
         gc.collect()
         torch._dynamo.reset()
@@ -366,7 +366,7 @@ def test_a_second_model_captures_cleanly_after_the_first_is_deleted():
         cb = _compile(b)
         x = torch.randn(5, 16)
         torch.testing.assert_close(cb(x), b(x), rtol=1e-5, atol=1e-5)
-        assert cb.backend.graph_runner.pool is not pool_a
+        assert cb.backend.graph_pool.pool is not pool_a
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])

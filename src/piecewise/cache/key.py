@@ -9,10 +9,11 @@ an image, and must hit on every replica.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from ..fingerprint import data_digest
 
 # torch is imported where a factor needs it, not here: `piecewise cache ...` reads entries without it.
 
@@ -115,8 +116,7 @@ def input_signature(example_inputs: Sequence[Any], call_signature: Sequence[Any]
 
 def compute_key(factors: Mapping[str, Any]) -> str:
     """A 20-hex-digit key: sha256 of the canonical JSON of `factors` (without `NOT_IN_KEY` notes)."""
-    blob = json.dumps(_key_view(factors), sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+    return data_digest(_key_view(factors))[:20]
 
 
 def _key_view(v: Any) -> Any:

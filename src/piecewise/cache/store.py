@@ -33,9 +33,11 @@ from typing import Any
 
 import filelock
 
+from ..errors import CacheError
+from ..fingerprint import canonical_json, data_digest
 from .key import KEY_FORMAT
 
-__all__ = ["INDEX_FORMAT", "resolve_root", "atomic_write", "CacheEntry", "check_permissions", "read_index", "IndexError_"]
+__all__ = ["INDEX_FORMAT", "resolve_root", "atomic_write", "CacheEntry", "check_permissions", "read_index", "CacheIndexError"]
 
 log = logging.getLogger("piecewise")
 
@@ -90,7 +92,7 @@ def resolve_root(cache_dir: str | None) -> str | None:
     return user_cache_dir("piecewise")
 
 
-def _makedirs(path: str) -> None:
+def make_dirs(path: str) -> None:
     """Create `path` and missing parents as 0o755, whatever the umask (a group-writable dir would
     be refused at load)."""
     missing = []
@@ -168,11 +170,11 @@ def check_permissions(root: str, path: str) -> str | None:
 
 
 def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return canonical_json(obj)
 
 
 def _checksum(body: Mapping[str, Any]) -> str:
-    return hashlib.sha256(_canonical(body)).hexdigest()
+    return data_digest(body)
 
 
 def encode_index(body: Mapping[str, Any]) -> bytes:
@@ -181,7 +183,7 @@ def encode_index(body: Mapping[str, Any]) -> bytes:
     return _canonical({**body, "checksum": _checksum(body)})
 
 
-class IndexError_(Exception):
+class CacheIndexError(CacheError):
     """An index that is not a valid piecewise index (corrupt, truncated, wrong format)."""
 
 
@@ -190,28 +192,28 @@ def read_index(path: str) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no index.
-        IndexError_: anything else wrong with it.
+        CacheIndexError: anything else wrong with it.
     """
     with open(path, "rb") as f:
         raw = f.read()
     try:
         idx = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IndexError_(f"not valid JSON ({e})") from None
+        raise CacheIndexError(f"not valid JSON ({e})") from None
     if not isinstance(idx, dict) or idx.get("format") != INDEX_FORMAT or idx.get("key_format") != KEY_FORMAT:
-        raise IndexError_(f"unknown index format {idx.get('format') if isinstance(idx, dict) else type(idx).__name__}")
+        raise CacheIndexError(f"unknown index format {idx.get('format') if isinstance(idx, dict) else type(idx).__name__}")
     body = {k: v for k, v in idx.items() if k != "checksum"}
     if idx.get("checksum") != _checksum(body):
-        raise IndexError_("index checksum mismatch")
+        raise CacheIndexError("index checksum mismatch")
     arts = idx.get("artifacts")
     if not isinstance(arts, dict) or not isinstance(idx.get("meta"), dict) or not isinstance(idx.get("key"), str):
-        raise IndexError_("missing fields")
+        raise CacheIndexError("missing fields")
     for name, rec in arts.items():
         if not (isinstance(rec, dict) and isinstance(rec.get("file"), str) and isinstance(rec.get("sha256"), str)
                 and isinstance(rec.get("bytes"), int)):
-            raise IndexError_(f"bad artifact record {name!r}")
+            raise CacheIndexError(f"bad artifact record {name!r}")
         if os.path.isabs(rec["file"]) or ".." in rec["file"].split("/"):
-            raise IndexError_(f"artifact path {rec['file']!r} escapes the cache root")
+            raise CacheIndexError(f"artifact path {rec['file']!r} escapes the cache root")
     return idx
 
 
@@ -249,7 +251,7 @@ class CacheEntry:
             idx = read_index(os.path.join(self.path, INDEX))
         except (FileNotFoundError, NotADirectoryError):
             return False
-        except IndexError_ as e:
+        except CacheIndexError as e:
             self._bad(INDEX, f"index is unusable ({e})")
             return False
         except OSError as e:
@@ -307,7 +309,7 @@ class CacheEntry:
             return
         try:
             qdir = os.path.join(self.path, QUARANTINE)
-            _makedirs(qdir)
+            make_dirs(qdir)
             os.replace(src, os.path.join(qdir, f"{os.path.basename(src)}.{int(time.time())}.{os.getpid()}"))
         except OSError:
             pass  # another process moved it first, or read-only: the index rewrite drops it anyway
@@ -333,7 +335,7 @@ class CacheEntry:
         # equal contents is a success.
         rel = f"{self.rel}/{ARTIFACTS}/{name}.{digest[:16]}.bin"
         try:
-            _makedirs(os.path.join(self.path, ARTIFACTS))
+            make_dirs(os.path.join(self.path, ARTIFACTS))
             atomic_write(os.path.join(self.root, *rel.split("/")), payload)
         except OSError as e:
             self._disable_writes(e)
@@ -347,7 +349,7 @@ class CacheEntry:
         if not self.writable:
             return
         try:
-            _makedirs(self.path)
+            make_dirs(self.path)
             with self._lock():
                 atomic_write(os.path.join(self.path, FACTORS), json.dumps(factors, indent=1, sort_keys=True, default=str).encode())
                 atomic_write(os.path.join(self.path, GRAPH), graph_code.encode())
@@ -356,7 +358,7 @@ class CacheEntry:
                     old = read_index(os.path.join(self.path, INDEX))
                     if old["key"] == self.key and old["meta"] == json.loads(_canonical(dict(meta))):
                         merged.update(old["artifacts"])
-                except (OSError, IndexError_):
+                except (OSError, CacheIndexError):
                     pass
                 if self.index is not None:
                     merged.update(self.index["artifacts"])

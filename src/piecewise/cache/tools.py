@@ -14,13 +14,15 @@ import re
 import secrets
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import filelock
 
+from .._version import __version__
+from ..errors import CacheError
 from .key import NOT_IN_KEY, diff_factors, diff_items, env_factors
-from .store import FACTORS, INDEX, LOCK, QUARANTINE, IndexError_, _makedirs, check_permissions, read_index, remove_tree
+from .store import FACTORS, INDEX, LOCK, QUARANTINE, CacheIndexError, make_dirs, check_permissions, read_index, remove_tree
 
 __all__ = ["EntryInfo", "list_entries", "find_entry", "verify", "explain", "clear", "export_archive", "import_archive"]
 
@@ -49,7 +51,7 @@ class EntryInfo:
         return self.rel.split("/")[-1]
 
 
-def _entry_dirs(root: str) -> Iterator[tuple[str, str]]:
+def entry_dirs(root: str) -> Iterator[tuple[str, str]]:
     if not os.path.isdir(root):
         return
     for key in sorted(os.listdir(root)):
@@ -71,7 +73,7 @@ def _info(root: str, rel: str, path: str) -> EntryInfo:
         idx = read_index(os.path.join(path, INDEX))
     except FileNotFoundError:
         return EntryInfo(rel, path, 0, 0, None, False, "no index (incomplete: a compile was interrupted)")
-    except (IndexError_, OSError) as e:
+    except (CacheIndexError, OSError) as e:
         return EntryInfo(rel, path, 0, 0, None, False, f"bad index: {e}")
     arts = idx["artifacts"]
     kind = "bundle" if idx["meta"].get("kind") == "bundle" else "compile"
@@ -79,7 +81,7 @@ def _info(root: str, rel: str, path: str) -> EntryInfo:
 
 
 def list_entries(root: str) -> list[EntryInfo]:
-    return [_info(root, rel, path) for rel, path in _entry_dirs(root)]
+    return [_info(root, rel, path) for rel, path in entry_dirs(root)]
 
 
 def find_entry(root: str, ref: str) -> EntryInfo:
@@ -94,7 +96,7 @@ def find_entry(root: str, ref: str) -> EntryInfo:
         return _info(root, os.path.relpath(path, root).replace(os.sep, "/"), path)
     parts = ref.strip("/").split("/")
     matches = []
-    for rel, path in _entry_dirs(root):
+    for rel, path in entry_dirs(root):
         k, r, t = rel.split("/")
         if len(parts) == 1 and (k.startswith(parts[0]) or t == parts[0]):
             matches.append((rel, path))
@@ -106,7 +108,7 @@ def find_entry(root: str, ref: str) -> EntryInfo:
         infos = compiled if len(compiled) == 1 else infos
     if len(infos) != 1:
         names = ", ".join(i.rel for i in infos[:5]) or "none"
-        raise LookupError(f"{ref!r} matches {len(infos)} entries under {root} ({names}); give key/rank_r_d/tag")
+        raise CacheError(f"{ref!r} matches {len(infos)} entries under {root} ({names}); give key/rank_r_d/tag")
     return infos[0]
 
 
@@ -119,7 +121,7 @@ def verify(root: str) -> tuple[list[str], list[str]]:
     unsafe = check_permissions(root, root)
     if unsafe:
         problems.append(unsafe)
-    for rel, path in _entry_dirs(root):
+    for rel, path in entry_dirs(root):
         unsafe = check_permissions(root, path)
         if unsafe:
             problems.append(f"{rel}: {unsafe}")
@@ -129,7 +131,7 @@ def verify(root: str) -> tuple[list[str], list[str]]:
         except FileNotFoundError:
             notes.append(f"{rel}: no index yet (interrupted compile; the next run completes it)")
             continue
-        except (IndexError_, OSError) as e:
+        except (CacheIndexError, OSError) as e:
             problems.append(f"{rel}: bad index: {e}")
             continue
         if idx["meta"].get("kind") == "bundle":
@@ -209,7 +211,7 @@ def clear(root: str, key: str | None = None) -> int:
     """Remove every entry (or those of one key prefix); returns how many. Safe while another
     process compiles: each entry is removed under its writer lock, renamed aside first."""
     n = 0
-    for rel, path in list(_entry_dirs(root)):
+    for rel, path in list(entry_dirs(root)):
         if key and not rel.startswith(key):
             continue
         try:
@@ -260,49 +262,56 @@ def export_archive(root: str, out: str, key: str | None = None) -> int:
     return len(entries)
 
 
-def current_factors_sample(entry_factors: dict[str, Any]) -> dict[str, Any]:
+def current_factors_sample(entry_factors: dict[str, Any], compiler_hash: Callable[[str], str] | None = None) -> dict[str, Any]:
     """The factors of this process that do not depend on the model: torch and piecewise versions,
-    the allow-listed environment, and the hash the entry's compiler adaptor has here. Entries built
-    with custom Inductor options keep their recorded compiler hash (the options are stored as text
-    and cannot be rebuilt here), so only the other factors are compared for them."""
+    the allow-listed environment, and the hash the entry's compiler adaptor has here
+    (`compiler_hash(name)`, given by the caller: this layer knows no adaptors; None: not compared).
+    Entries built with custom Inductor options keep their recorded compiler hash (the options are
+    stored as text and cannot be rebuilt here), so only the other factors are compared for them."""
     import torch
-
-    from .. import __version__
-    from ..compilers import get_adaptor
-    from ..config import CompilationConfig
-    from ..errors import PiecewiseError
 
     comp = entry_factors.get("compiler", {})
     name = comp.get("name", "inductor")
-    try:
-        cfg = CompilationConfig(backend=name)
-        here_hash = get_adaptor(name, cfg).compute_hash() if not entry_factors.get("config", {}).get("inductor_options") else comp.get("hash")
-    except PiecewiseError:
-        here_hash = f"<adaptor {name!r} not registered in this process>"
+    if compiler_hash is None or entry_factors.get("config", {}).get("inductor_options"):
+        here_hash = comp.get("hash")
+    else:
+        here_hash = compiler_hash(name)
     return {"torch": torch.__version__, "piecewise": __version__, "env": env_factors(),
             "compiler": {"name": name, "hash": here_hash}}
 
 
-def import_archive(root: str, archive: str) -> tuple[int, list[str]]:
+def import_archive(root: str, archive: str, compiler_hash: Callable[[str], str] | None = None) -> tuple[int, list[str]]:
     """Unpack an exported archive into `root`. Members must be regular files under the root (no
     absolute paths, no '..', no links). Returns (entries imported, warnings naming each factor in
-    which an entry differs from this process)."""
+    which an entry differs from this process; `compiler_hash(name)` gives an adaptor's hash here,
+    see `current_factors_sample`).
+
+    Raises:
+        CacheError: a member or manifest entry would land outside `root`, or there is no manifest.
+    """
     warns: list[str] = []
-    with tarfile.open(archive, "r:gz") as tar:
+    try:
+        tar = tarfile.open(archive, "r:gz")
+    except tarfile.TarError as e:
+        raise CacheError(f"{archive} is not an archive made by 'piecewise cache export' ({e})") from e
+    with tar:
         members = tar.getmembers()
         for m in members:
             if not m.isfile() or m.name.startswith("/") or ".." in m.name.split("/"):
-                raise ValueError(f"archive member {m.name!r} is not a plain relative file; refusing to import")
-        man = tar.extractfile(MANIFEST)
+                raise CacheError(f"archive member {m.name!r} is not a plain relative file; refusing to import")
+        try:
+            man = tar.extractfile(MANIFEST)
+        except KeyError:  # tarfile's way of saying the member is absent
+            man = None
         if man is None:
-            raise ValueError(f"{archive} has no {MANIFEST}; export it with 'piecewise cache export'")
+            raise CacheError(f"{archive} has no {MANIFEST}; export it with 'piecewise cache export'")
         manifest = json.load(man)
         for e in manifest.get("entries", []):
             f = e.get("factors", {})
-            here = current_factors_sample(f)
+            here = current_factors_sample(f, compiler_hash)
             for name in diff_factors({k: f.get(k) for k in here}, here):
                 warns.append(f"{e['entry']}: factor {name} differs from this process; it will not hit here")
-        _makedirs(root)
+        make_dirs(root)
         staging = os.path.join(root, f".import.{os.getpid()}.{secrets.token_hex(3)}")
         os.mkdir(staging, 0o755)
         try:
@@ -311,21 +320,21 @@ def import_archive(root: str, archive: str) -> tuple[int, list[str]]:
                     continue
                 src = tar.extractfile(m)
                 dest = os.path.join(staging, *m.name.split("/"))
-                _makedirs(os.path.dirname(dest))
+                make_dirs(os.path.dirname(dest))
                 with open(dest, "wb") as out:
                     out.write(src.read())
                 os.chmod(dest, 0o644)
             n = 0
             for e in manifest.get("entries", []):
                 if not isinstance(e.get("entry"), str) or not _ENTRY_NAME.fullmatch(e["entry"]):
-                    raise ValueError(f"manifest entry {e.get('entry')!r} is not key/rank_r_d/tag; refusing to import")
+                    raise CacheError(f"manifest entry {e.get('entry')!r} is not key/rank_r_d/tag; refusing to import")
                 src = os.path.join(staging, *e["entry"].split("/"))
                 dst = os.path.join(root, *e["entry"].split("/"))
                 if not os.path.realpath(dst).startswith(os.path.realpath(root) + os.sep):
-                    raise ValueError(f"manifest entry {e['entry']!r} resolves outside {root}; refusing to import")
+                    raise CacheError(f"manifest entry {e['entry']!r} resolves outside {root}; refusing to import")
                 if not os.path.isdir(src):
                     continue
-                _makedirs(os.path.dirname(dst))
+                make_dirs(os.path.dirname(dst))
                 if os.path.isdir(dst):
                     remove_tree(dst)
                 os.replace(src, dst)

@@ -9,20 +9,24 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import ConfigError
+from ..registry import Registration, Registry
 from .base import CompiledPiece, CompilerAdaptor, CompileTarget
 
 __all__ = ["CompilerAdaptor", "CompiledPiece", "CompileTarget", "register_adaptor", "get_adaptor", "adaptor_names"]
 
-_adaptors: dict[str, Callable[..., CompilerAdaptor]] = {}
+_adaptors: Registry[Callable[..., CompilerAdaptor]] = Registry("compiler adaptor")
 
 
-def register_adaptor(name: str, factory: Callable[..., CompilerAdaptor]) -> None:
-    """Make `factory(config)` available as ``CompilationConfig(backend=name)``."""
-    _adaptors[name] = factory
+def register_adaptor(name: str, factory: Callable[..., CompilerAdaptor]) -> Registration:
+    """Make `factory(config)` available as ``CompilationConfig(backend=name)``.
+
+    Returns a `Registration`: ``with register_adaptor(...): ...`` (or ``.remove()``) puts back
+    what the name meant before."""
+    return _adaptors.register(name, factory)
 
 
 def adaptor_names() -> tuple[str, ...]:
-    return tuple(sorted(_adaptors))
+    return _adaptors.names()
 
 
 def get_adaptor(name: str, config) -> CompilerAdaptor:
@@ -31,13 +35,12 @@ def get_adaptor(name: str, config) -> CompilerAdaptor:
     Raises:
         ConfigError: no adaptor has that name.
     """
-    try:
-        factory = _adaptors[name]
-    except KeyError:
+    factory = _adaptors.get(name)
+    if factory is None:
         raise ConfigError(
             f"backend={name!r} is not a registered compiler adaptor; known: {list(adaptor_names())}; "
             "register one with piecewise.compilers.register_adaptor"
-        ) from None
+        )
     return factory(config)
 
 

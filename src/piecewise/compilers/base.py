@@ -9,39 +9,9 @@ from typing import Any
 
 import torch.fx
 
-from ..config import CompileRange
+from ..targets import CompileTarget
 
 __all__ = ["CompileTarget", "CompiledPiece", "CompilerAdaptor"]
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileTarget:
-    """What one compile is for: the general shape, one range, or one static size.
-
-    Exactly one of `compile_range` / `size` is set for a range or size compile; neither for the
-    general compile."""
-
-    compile_range: CompileRange | None = None
-    size: int | None = None
-    #: the sympy symbol of the dispatch dim (the token count) in the piece's example inputs
-    symbol: Any = dataclasses.field(default=None, compare=False, hash=False)
-
-    @property
-    def label(self) -> str:
-        if self.size is not None:
-            return f"size {self.size}"
-        if self.compile_range is not None:
-            return f"range {self.compile_range}"
-        return "general"
-
-    @property
-    def key(self) -> str:
-        """A file-name-safe token naming this target (cache artifact names)."""
-        if self.size is not None:
-            return f"size_{self.size}"
-        if self.compile_range is not None:
-            return f"range_{self.compile_range.start}_{self.compile_range.end}"
-        return "general"
 
 
 @dataclasses.dataclass

@@ -14,10 +14,11 @@ the manager's own uuid adds the target, so Inductor's FX graph cache keys differ
 
 from __future__ import annotations
 
+import logging
+
 import contextlib
 import hashlib
 import json
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,11 +27,13 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..errors import CompileError
+from . import isa_record
 from .base import CompiledPiece, CompilerAdaptor, CompileTarget
+
+log = logging.getLogger("piecewise")
 
 __all__ = ["InductorAdaptor"]
 
-_isa_probe: threading.Thread | None = None
 #: what Inductor's generated wrapper modules import (their first load pays for these)
 _RUNTIME_MODULES = ("torch._inductor.select_algorithm", "torch._inductor.async_compile",
                     "torch._inductor.codegen.memory_planning", "torch._inductor.hooks", "torch._dynamo.testing")
@@ -93,7 +96,9 @@ class InductorAdaptor(CompilerAdaptor):
             raise CompileError(f"Inductor failed to compile a piece for {target.label}: {type(e).__name__}: {e}") from e
         try:
             payload = art.serialize()
-        except Exception:  # unserialisable graph: still usable, just not cached
+        except Exception as e:  # unserialisable graph: still usable, just not cached
+            log.info("a piece compiled for %s cannot be serialised, so it is not cached (%s: %s)", target.label,
+                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             payload = None
         return CompiledPiece(art, payload)
 
@@ -111,18 +116,14 @@ class InductorAdaptor(CompilerAdaptor):
 
         Inductor's CPU vector-ISA probe builds and dlopens a test library per ISA in child
         processes (~1.0 s serially on a 2-core machine). Its answer is recorded under the cache
-        `root` (`_isa_record_key`: torch version, CPU flags, compiler binary, Inductor's ISA
-        settings), and a later process with the same key uses the record instead of probing. Without
-        a record the probes run in background threads (`_probe_vec_isas`), joined by `load`, and
-        save one; measured on 2 cores, the children slow this thread's imports from 0.72 s to 1.3 s,
+        `root` (`piecewise.compilers.isa_record`), and a later process with the same key uses the
+        record instead of probing. Without a record the probes run in background threads, joined by
+        `load`, and save one; measured on 2 cores, the children slow this thread's imports from 0.72 s to 1.3 s,
         so a record saves about 0.5 s of every warm start.
         This thread imports the Inductor runtime modules generated code imports (~0.7 s, holding
         the GIL, so there is nothing to gain from a second thread for them)."""
-        global _isa_probe
-        if device == "cpu" and _isa_probe is None:
-            if not (root and _use_isa_record(root)):
-                _isa_probe = threading.Thread(target=_probe_vec_isas, args=(root,), name="piecewise-isa-probe", daemon=True)
-                _isa_probe.start()
+        if device == "cpu":
+            isa_record.start_probe(root)
         import importlib
 
         for name in _RUNTIME_MODULES:
@@ -135,119 +136,17 @@ class InductorAdaptor(CompilerAdaptor):
 
         fn = cpu_vec_isa.valid_vec_isa_list
         if not getattr(fn, "recorded", False) and fn.cache_info().currsize:
-            _save_isa_record(root, fn())
+            isa_record.save(root, fn())
 
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
 
-        if _isa_probe is not None:
-            _isa_probe.join()  # valid_vec_isa_list is memoised but not locked: never evaluate it twice at once
+        isa_record.wait_for_probe()
         fn = AOTCompiledArtifact.deserialize(payload)
         # A loaded artifact returns its outputs as a list; the piece's graph may return one value.
         if _returns_single_value(graph):
             return lambda *args: fn(*args)[0]
         return fn
-
-
-def _isa_record_key() -> str:
-    """What Inductor's ISA probe answer depends on: torch build, OS and CPU architecture, the CPU's
-    ISA flags, the C++ compiler binaries Inductor would search (path, size, mtime: a compiler
-    upgrade probes again) and Inductor's ISA settings."""
-    import os
-    import platform
-    import shutil
-    import sys
-
-    from torch._inductor import config as inductor_config
-    from torch._inductor import cpu_vec_isa
-
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    cxx = inductor_config.cpp.cxx
-    compilers = []
-    for name in cxx if isinstance(cxx, (list, tuple)) else (cxx,):
-        path = shutil.which(name) if name else None
-        st = os.stat(os.path.realpath(path)) if path else None
-        compilers.append([name, os.path.realpath(path) if path else None, st and [st.st_size, st.st_mtime_ns]])
-    parts = [torch.__version__, sys.platform, platform.machine(), sorted(cpu_vec_isa.x86_isa_checker()) if x86 else [],
-             compilers, os.environ.get("CXX"), inductor_config.cpp.vec_isa_ok, inductor_config.cpp.simdlen]
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
-
-
-def _isa_record_path(root: str) -> str:
-    import os
-
-    return os.path.join(root, "isa", f"{_isa_record_key()}.json")
-
-
-def _use_isa_record(root: str) -> bool:
-    """Install a recorded probe answer as this process's ``valid_vec_isa_list()``; False (probe
-    instead) when there is none, it does not parse, or it names an ISA this torch does not know or
-    whose flags this CPU lacks."""
-    from torch._inductor import cpu_vec_isa
-
-    from ..cache.store import check_permissions
-
-    if getattr(cpu_vec_isa.valid_vec_isa_list, "recorded", False) or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
-        return True  # already answered in this process
-    path = _isa_record_path(root)
-    if check_permissions(root, path):  # another user could have written it: probe
-        return False
-    try:
-        with open(path) as f:
-            names = json.load(f)["valid_vec_isa"]
-        known = {str(isa): isa for isa in cpu_vec_isa.supported_vec_isa_list}
-        isas = [known[n] for n in names]
-    except Exception:
-        return False
-    import platform
-
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags = set(cpu_vec_isa.x86_isa_checker())
-        if not all(f in flags for isa in isas for f in str(isa).split()):
-            return False
-    def recorded() -> list[Any]:
-        return list(isas)
-
-    recorded.recorded = True  # type: ignore[attr-defined]
-    cpu_vec_isa.valid_vec_isa_list = recorded  # pick_vec_isa reads it by module global
-    return True
-
-
-def _save_isa_record(root: str, isas: list[Any]) -> None:
-    """Write the probe's answer for `_use_isa_record` (the cache's atomic write and 0o755 dirs;
-    any failure leaves no record)."""
-    import os
-
-    from ..cache.store import _makedirs, atomic_write
-
-    try:
-        path = _isa_record_path(root)
-        _makedirs(os.path.dirname(path))
-        atomic_write(path, json.dumps({"valid_vec_isa": [str(i) for i in isas], "torch": torch.__version__}).encode())
-    except Exception:
-        pass
-
-
-def _probe_vec_isas(root: str | None = None) -> None:
-    """Evaluate Inductor's ``valid_vec_isa_list()`` with each candidate ISA probed in its own thread:
-    a probe is a dlopen in a child process (plus a build on a cold Inductor cache), so on x86 the
-    3-4 candidates the CPU's flags allow finish in about the time of one. Same probes, same result;
-    only the order of waiting changes."""
-    import platform
-
-    from torch._inductor import cpu_vec_isa
-
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags = set(cpu_vec_isa.x86_isa_checker())
-        candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
-        probes = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in candidates]
-        for t in probes:
-            t.start()
-        for t in probes:
-            t.join()
-    isas = cpu_vec_isa.valid_vec_isa_list()  # memoised per process; reads the probes' memoised answers
-    if root:
-        _save_isa_record(root, isas)
 
 
 class _ChainedPasses(CustomGraphPass):

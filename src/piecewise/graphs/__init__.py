@@ -3,14 +3,14 @@
 from .dispatch import GraphDispatcher, batch_hint
 from .platform import CudaPlatform, GraphPlatform, register_platform, resolve_platform
 from .subbatch import SubBatchReplay
-from .wrapper import GraphEntry, GraphRunner, Phase, PieceGraphWrapper
+from .wrapper import GraphEntry, GraphPool, Phase, PieceGraphWrapper
 
 __all__ = [
     "CudaPlatform",
     "GraphDispatcher",
     "GraphEntry",
     "GraphPlatform",
-    "GraphRunner",
+    "GraphPool",
     "Phase",
     "PieceGraphWrapper",
     "SubBatchReplay",

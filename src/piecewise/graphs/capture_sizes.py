@@ -45,13 +45,13 @@ log = logging.getLogger("piecewise")
 
 
 # -- validation helpers ------------------------------------------------------------------------
-def _positive_int(name: str, value: object) -> int:
+def check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
     return value
 
 
-def _size_list(name: str, sizes: Iterable[int]) -> list[int]:
+def check_size_list(name: str, sizes: Iterable[int]) -> list[int]:
     """`sizes` as a sorted, deduplicated list of positive ints; `ConfigError` on anything else."""
     if isinstance(sizes, (int, str, bytes)) or not isinstance(sizes, Iterable):
         raise ConfigError(f"{name}={sizes!r} must be a list of positive integers, e.g. {name}=[1, 2, 4, 8]")
@@ -63,7 +63,7 @@ def _size_list(name: str, sizes: Iterable[int]) -> list[int]:
     return sorted(out)
 
 
-def _histogram(histogram: Mapping[int, float]) -> dict[int, float]:
+def check_histogram(histogram: Mapping[int, float]) -> dict[int, float]:
     """The entries of `histogram` with a positive count, keyed by size; `ConfigError` on a key that
     is not a positive int or a count that is negative, NaN or infinite."""
     if not isinstance(histogram, Mapping):
@@ -91,7 +91,7 @@ def default_capture_sizes(max_capture_size: int) -> list[int]:
     Returns sorted, distinct sizes, all ``<= max_capture_size``. Raises `ConfigError` unless
     `max_capture_size` is a positive int.
     """
-    top = _positive_int("max_capture_size", max_capture_size)
+    top = check_positive_int("max_capture_size", max_capture_size)
     grid = [1, 2, 4, *range(8, 257, 8), *range(272, top + 1, 16)]
     return sorted({s for s in grid if s <= top} | {top})
 
@@ -127,10 +127,10 @@ def windowed_capture_sizes(w: int, max_capture_size: int, max_num_seqs: int, max
     (no batch of even one request fits), or when the largest size exceeds
     `max_num_batched_tokens` (such a graph could never be replayed).
     """
-    w = _positive_int("w", w)
-    max_capture_size = _positive_int("max_capture_size", max_capture_size)
-    max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
-    max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    w = check_positive_int("w", w)
+    max_capture_size = check_positive_int("max_capture_size", max_capture_size)
+    max_num_seqs = check_positive_int("max_num_seqs", max_num_seqs)
+    max_num_batched_tokens = check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
     if max_capture_size < w:
         raise ConfigError(f"max_capture_size={max_capture_size} is below w={w} rows per request, so no batch fits; "
                           f"raise max_capture_size to at least {w}")
@@ -158,8 +158,8 @@ def validate_capture_sizes(sizes: Iterable[int], max_num_tokens: int) -> tuple[l
     and an info line with ``kept``. Raises `ConfigError` on an entry that is not a positive int, or
     on a non-positive `max_num_tokens`.
     """
-    max_num_tokens = _positive_int("max_num_tokens", max_num_tokens)
-    all_sizes = _size_list("capture_sizes", sizes)
+    max_num_tokens = check_positive_int("max_num_tokens", max_num_tokens)
+    all_sizes = check_size_list("capture_sizes", sizes)
     kept = [s for s in all_sizes if s <= max_num_tokens]
     dropped = [s for s in all_sizes if s > max_num_tokens]
     if dropped:
@@ -200,7 +200,7 @@ class PaddingTable:
     def __init__(self, sizes: Iterable[int], max_n: int) -> None:
         if isinstance(max_n, bool) or not isinstance(max_n, int) or max_n < 0:
             raise ConfigError(f"max_n={max_n!r} must be an integer >= 0")
-        self.sizes: tuple[int, ...] = tuple(_size_list("capture_sizes", sizes))
+        self.sizes: tuple[int, ...] = tuple(check_size_list("capture_sizes", sizes))
         self.max_n = max_n
         table: list[int | None] = []
         k = 0
@@ -257,8 +257,8 @@ class PaddingStats:
 def padding_stats(schedule: Iterable[int], histogram: Mapping[int, float]) -> PaddingStats:
     """Pad rows, real rows and uncovered sizes of `schedule` on `histogram` (size -> count).
     Raises `ConfigError` on an invalid schedule or histogram."""
-    table = _size_list("schedule", schedule)
-    hist = _histogram(histogram)
+    table = check_size_list("schedule", schedule)
+    hist = check_histogram(histogram)
     real = pad = uncovered_count = 0.0
     uncovered = []
     for n in sorted(hist):

@@ -22,15 +22,15 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .. import state
 from ..counters import counters
 from ..errors import CaptureError
-from ..forward_context import BatchDescriptor, ForwardContext, _current
-from .wrapper import GraphRunner, PieceGraphWrapper
+from ..forward_context import BatchDescriptor, ForwardContext, RuntimeMode, enter_forward, exit_forward
+from .wrapper import GraphPool, PieceGraphWrapper
 
 __all__ = ["GraphDispatcher", "StaticInput", "batch_hint"]
 
@@ -78,38 +78,50 @@ class StaticInput:
         return v
 
 
+class Stitched(Protocol):
+    """What a `GraphDispatcher` runs (the backend's `StitchedForward`)."""
+
+    forward: Callable[..., Any]  # the split module's forward over the flat graph inputs
+    split_gm: torch.fx.GraphModule
+    sym_index: int | None  # position of the token-count SymInt among the graph inputs
+
+    def select_entry(self, n: int) -> None: ...  # the compile entry (size, range, general) for n tokens
+
+    def run_plain(self, *args: Any) -> Any: ...  # one forward without graphs at the call's own size
+
+
 class GraphDispatcher:
     """Pads each call to a capture size and runs it through the graph wrappers.
 
     Args:
-        forward: the split module's forward (piece wrappers installed for piecewise mode).
-        runner: the shared `GraphRunner`.
-        capture_sizes: sorted capture sizes, all <= `max_num_tokens`.
-        sym_index: position of the token-count SymInt among the graph inputs.
+        stitched: the forward to run (`Stitched`: its split module's forward, with piece wrappers
+            installed for piecewise mode; its compile-entry selection; its plain path for sizes
+            above the largest capture size).
+        runner: the shared `GraphPool`.
+        capture_sizes: capture sizes, all <= `max_num_tokens`.
         static_inputs: the inputs with a token dim.
         output_dims: per flat output, the token dim to slice back, or None.
         cudagraph_mode: ``piecewise`` | ``full`` | ``full_and_piecewise``.
-        select_entry: sets the compile entry for a size (exact size, range, general).
-        plain: runs a call without graphs (sizes above the largest capture size).
     """
 
-    def __init__(self, forward: Callable[..., Any], runner: GraphRunner, capture_sizes: Sequence[int], *, sym_index: int,
+    def __init__(self, stitched: Stitched, runner: GraphPool, capture_sizes: Sequence[int], *,
                  static_inputs: list[StaticInput], output_dims: list[int | None], cudagraph_mode: str, max_num_tokens: int,
-                 select_entry: Callable[[int], None], plain: Callable[..., Any], tag: str) -> None:
+                 tag: str) -> None:
         from .capture_sizes import PaddingTable
 
+        forward = stitched.forward
         self.forward = forward
         self.runner = runner
         self.sizes = sorted(capture_sizes)
-        self.sym_index = sym_index
+        self.sym_index = stitched.sym_index
         self.static_inputs = static_inputs
         self.output_dims = output_dims
         self.mode = cudagraph_mode
         self.max_num_tokens = max_num_tokens
-        self.select_entry = select_entry
-        self.plain = plain
+        self.select_entry = stitched.select_entry
+        self.plain = stitched.run_plain
         self.tag = tag
-        self.full = PieceGraphWrapper(forward, runner, mode="full", first=True, name="full graph") if cudagraph_mode != "piecewise" else None
+        self.full = PieceGraphWrapper(forward, runner, mode=RuntimeMode.FULL, first=True, name="full graph") if cudagraph_mode != "piecewise" else None
         self._table_cls = PaddingTable
         self.table = PaddingTable(self.sizes, max_num_tokens)
         self.captured = False
@@ -153,15 +165,15 @@ class GraphDispatcher:
 
     def _run(self, args: tuple[Any, ...], n: int, padded: int) -> Any:
         uniform = _uniform_decode.get()
-        mode = "full" if self.mode == "full" or (self.mode == "full_and_piecewise" and uniform) else "piecewise"
+        mode = RuntimeMode.FULL if self.mode == "full" or (self.mode == "full_and_piecewise" and uniform) else RuntimeMode.PIECEWISE
         padded_args = self._fill(args, n, padded)
         self.num_tokens_device.fill_(n)
         self.select_entry(padded)
-        token = _current.set(ForwardContext(n, padded, mode, BatchDescriptor(padded, uniform), self.tag, self.num_tokens_device))
+        token = enter_forward(ForwardContext(n, padded, mode, BatchDescriptor(padded, uniform), self.tag, self.num_tokens_device))
         try:
-            out = self.full(*padded_args) if mode == "full" else self.forward(*padded_args)
+            out = self.full(*padded_args) if mode is RuntimeMode.FULL else self.forward(*padded_args)
         finally:
-            _current.reset(token)
+            exit_forward(token)
         return self._slice(out, n)
 
     def _fill(self, args: tuple[Any, ...], n: int, padded: int) -> list[Any]:
@@ -209,11 +221,11 @@ class GraphDispatcher:
                     reps = -(-(padded - n) // n)
                     pad.copy_(torch.cat([src] * reps, dim=si.dim).narrow(si.dim, 0, padded - n))
             self.select_entry(padded)
-            token = _current.set(ForwardContext(n, padded, "none", None, self.tag))
+            token = enter_forward(ForwardContext(n, padded, RuntimeMode.NONE, None, self.tag))
             try:
                 got = self._slice(self.forward(*padded_args), n)
             finally:
-                _current.reset(token)
+                exit_forward(token)
             worst = max(worst, _max_rel_diff(expected, got))
         self._padding_verified = True
         # Row-local models differ only by rounding between an n-row and a padded call (BLAS blocks

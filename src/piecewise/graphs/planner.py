@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 from ..errors import ConfigError
 
-from .capture_sizes import _histogram, _positive_int, _size_list
+from .capture_sizes import check_histogram, check_positive_int, check_size_list
 
 __all__ = ["plan_capture_sizes"]
 
@@ -79,16 +79,16 @@ def plan_capture_sizes(histogram: Mapping[int, float], *, max_graphs: int | None
     value or budget; a histogram with no positive count; a budget too small for the forced sizes
     (naming what they need).
     """
-    _positive_int("search_limit", search_limit)
-    hist = _histogram(histogram)
+    check_positive_int("search_limit", search_limit)
+    hist = check_histogram(histogram)
     if not hist:
         raise ConfigError("histogram holds no batch size with a positive count; record some traffic before planning")
-    forced_sizes = set(_size_list("must_include", must_include)) | {max(hist)}
+    forced_sizes = set(check_size_list("must_include", must_include)) | {max(hist)}
     if max_graphs is None and max_bytes is None:
         raise ConfigError("plan_capture_sizes needs a budget: pass max_graphs=<count> or max_bytes=<bytes> "
                           "(with bytes_per_token)")
     if max_graphs is not None:
-        _positive_int("max_graphs", max_graphs)
+        check_positive_int("max_graphs", max_graphs)
         if max_graphs < len(forced_sizes):
             raise ConfigError(f"max_graphs={max_graphs} is below the {len(forced_sizes)} sizes that must be captured "
                               f"({sorted(forced_sizes)}: must_include plus the largest observed size); "

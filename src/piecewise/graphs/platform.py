@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..registry import Registration, Registry
+
 __all__ = ["GraphPlatform", "CudaPlatform", "register_platform", "resolve_platform", "platform_names"]
 
 log = logging.getLogger("piecewise")
@@ -96,16 +98,20 @@ class CudaPlatform(GraphPlatform):
         return torch.cuda.memory_allocated()
 
 
-_platforms: dict[str, Callable[[], GraphPlatform]] = {"cuda": CudaPlatform}
+_platforms: Registry[Callable[[], GraphPlatform]] = Registry("graph platform")
+_platforms.register("cuda", CudaPlatform)
 
 
-def register_platform(device_type: str, factory: Callable[[], GraphPlatform]) -> None:
-    """Use `factory()` for graph capture on devices of `device_type` (``torch.device(...).type``)."""
-    _platforms[device_type] = factory
+def register_platform(device_type: str, factory: Callable[[], GraphPlatform]) -> Registration:
+    """Use `factory()` for graph capture on devices of `device_type` (``torch.device(...).type``).
+
+    Returns a `Registration`: ``with register_platform("cpu", make): ...`` (or ``.remove()``) puts
+    back the previous platform of that device type."""
+    return _platforms.register(device_type, factory)
 
 
 def platform_names() -> tuple[str, ...]:
-    return tuple(sorted(_platforms))
+    return _platforms.names()
 
 
 def resolve_platform(device_type: str) -> GraphPlatform | None:

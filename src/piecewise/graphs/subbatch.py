@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..forward_context import BatchDescriptor, ForwardContext, _current
+from ..forward_context import BatchDescriptor, ForwardContext, RuntimeMode, enter_forward, exit_forward
 from .capture_sizes import PaddingTable, validate_capture_sizes
 from .platform import resolve_platform
-from .wrapper import GraphRunner, PieceGraphWrapper
+from .wrapper import GraphPool, PieceGraphWrapper
 
 __all__ = ["SubBatchReplay"]
 
@@ -52,10 +52,10 @@ class SubBatchReplay:
             return
         self.buffers = [torch.zeros((self.max_rows, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in inputs]
         self.num_rows_device = torch.zeros((), dtype=torch.int64, device=inputs[0].device)
-        runner = GraphRunner(platform, num_warmups=self.num_warmups, tag=self.tag)
+        runner = GraphPool(platform, num_warmups=self.num_warmups, tag=self.tag)
         runner.stable_ptrs.update(b.data_ptr() for b in self.buffers)
         runner.on_size_failed = self._drop_size
-        self.wrapper = PieceGraphWrapper(self.fn, runner, mode="sub_batch", first=True, name=f"{self.tag} graph")
+        self.wrapper = PieceGraphWrapper(self.fn, runner, mode=RuntimeMode.SUB_BATCH, first=True, name=f"{self.tag} graph")
 
     def _drop_size(self, size: int) -> None:
         self.sizes = [s for s in self.sizes if s != size]
@@ -75,11 +75,11 @@ class SubBatchReplay:
                 buf.narrow(0, n, padded - n).zero_()
             rows.append(buf.narrow(0, 0, padded))
         self.num_rows_device.fill_(n)
-        token = _current.set(ForwardContext(n, padded, "sub_batch", BatchDescriptor(padded), self.tag, self.num_rows_device))
+        token = enter_forward(ForwardContext(n, padded, RuntimeMode.SUB_BATCH, BatchDescriptor(padded), self.tag, self.num_rows_device))
         try:
             out = self.wrapper(*rows)
         finally:
-            _current.reset(token)
+            exit_forward(token)
         if isinstance(out, (tuple, list)):
             return type(out)(o.narrow(0, 0, n) for o in out)
         return out.narrow(0, 0, n)

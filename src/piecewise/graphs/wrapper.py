@@ -32,10 +32,10 @@ import torch
 
 from ..counters import counters
 from ..errors import CaptureError
-from ..forward_context import _current
+from ..forward_context import RuntimeMode, current_forward_context
 from .platform import GraphPlatform, no_gc_during_capture
 
-__all__ = ["Phase", "GraphEntry", "GraphRunner", "PieceGraphWrapper"]
+__all__ = ["Phase", "GraphEntry", "GraphPool", "PieceGraphWrapper"]
 
 log = logging.getLogger("piecewise")
 
@@ -65,7 +65,7 @@ def _addresses(args: tuple[Any, ...]) -> tuple[int, ...]:
     return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else -1 for a in args)
 
 
-class GraphRunner:
+class GraphPool:
     """State shared by the wrappers of one backend instance: the platform, the pool (owned by this
     instance, not a class, so a second model captures cleanly after the first is freed), sizes
     removed after a failed capture, and pool bytes per size."""
@@ -108,7 +108,7 @@ class PieceGraphWrapper:
     """Captures `runnable` per padded size when the forward context's runtime mode is `mode`;
     otherwise calls it directly (so a full-graph wrapper and piece wrappers nest)."""
 
-    def __init__(self, runnable: Callable[..., Any], runner: GraphRunner, *, mode: str, first: bool, name: str) -> None:
+    def __init__(self, runnable: Callable[..., Any], runner: GraphPool, *, mode: RuntimeMode, first: bool, name: str) -> None:
         self.runnable = runnable
         self.runner = runner
         self.mode = mode
@@ -117,7 +117,7 @@ class PieceGraphWrapper:
         self.entries: dict[int, GraphEntry] = {}
 
     def __call__(self, *args: Any) -> Any:
-        ctx = _current.get()
+        ctx = current_forward_context()
         if ctx is None or ctx.runtime_mode != self.mode or ctx.batch_descriptor is None:
             return self.runnable(*args)
         size = ctx.batch_descriptor.num_tokens

@@ -110,14 +110,14 @@ def _source_sha256(path: Path) -> str:
 def _verify(root: str, entry: str, key: str) -> str | None:
     """None when `entry` holds a complete, undamaged cache entry for `key`; else what is wrong
     (``"missing"`` when there is no entry at all)."""
-    from ..cache.store import IndexError_, read_index
+    from ..cache.store import CacheIndexError, read_index
 
     manifest = os.path.join(entry, MANIFEST)
     try:
         idx = read_index(manifest)
     except FileNotFoundError:
         return "incomplete (no manifest)" if os.path.lexists(entry) else "missing"
-    except IndexError_ as e:
+    except CacheIndexError as e:
         return f"its manifest is unusable ({e})"
     except OSError as e:
         return f"its manifest cannot be read ({e})"
@@ -195,7 +195,7 @@ def cached_dir(
     """
     import filelock
 
-    from ..cache.store import _makedirs, check_permissions, remove_tree, report_once, resolve_root
+    from ..cache.store import make_dirs, check_permissions, remove_tree, report_once, resolve_root
 
     root = resolve_root(os.fspath(cache_root) if cache_root is not None else None)
     if root is None:
@@ -215,7 +215,7 @@ def cached_dir(
         return CachedDir(Path(entry), "hit")
     damaged = problem != "missing"
     try:
-        _makedirs(parent)
+        make_dirs(parent)
         with filelock.FileLock(os.path.join(parent, f".{key}.lock"), mode=0o644):
             again = _verify(root, entry, key)  # another process may have built (or fixed) it meanwhile
             if again is None:

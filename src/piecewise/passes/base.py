@@ -59,12 +59,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
-from ..fingerprint import code_digest
+from ..fingerprint import code_digest, data_digest
 from ..errors import ConfigError
 
+log = logging.getLogger("piecewise")
+
 if TYPE_CHECKING:
-    from ..compilers.base import CompileTarget
-    from ..config import CompileRange
+    from ..targets import CompileRange, CompileTarget
 
 __all__ = [
     "PassContext",
@@ -347,9 +348,9 @@ def resolve_pass(name: str) -> Any:
 
 # -- stable hashing ------------------------------------------------------------------------------
 def stable_digest(data: Any) -> str:
-    """sha256 hex of the canonical JSON of `data` (plain data only)."""
-    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()
+    """sha256 hex of the canonical JSON of `data` (plain data only: anything else raises
+    ``TypeError``). `piecewise.fingerprint.data_digest`, strict."""
+    return data_digest(data, strict=True)
 
 
 class _Unstable(Exception):
@@ -566,7 +567,8 @@ def _globals_read_by(fn: types.FunctionType, seen: frozenset[int]) -> dict[str, 
                 break
             try:
                 value = getattr(value, attr)
-            except Exception:  # noqa: BLE001 - not defined (yet): the pass would fail the same way
+            except Exception as e:  # noqa: BLE001 - not defined (yet): the pass would fail the same way
+                log.debug("pass uuid: %s.%s is not readable (%s: %s)", label, attr, type(e).__name__, e)
                 value = _ABSENT
             label = f"{label}.{attr}"
             if value is _ABSENT:

@@ -31,7 +31,7 @@ from typing import Any
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from ..compilers.base import CompileTarget
+from ..targets import CompileTarget
 from ..errors import CompileError
 from .base import PassContext, PiecewisePass, stable_digest
 

@@ -63,11 +63,11 @@ def eliminate_noops(graph: torch.fx.Graph) -> int:
         if target in RESHAPES:
             count += _collapse_reshape_chain(graph, node)
             src = node.args[0]
-            if isinstance(src, torch.fx.Node) and _same_layout(_val(node), _val(src)) and guard.may_forward(node, src):
+            if isinstance(src, torch.fx.Node) and _same_layout(node_value(node), node_value(src)) and guard.may_forward(node, src):
                 count += _forward(graph, node, src)
         elif target is aten.slice.Tensor:
             src = node.args[0]
-            if isinstance(src, torch.fx.Node) and _same_layout(_val(node), _val(src)) and guard.may_forward(node, src):
+            if isinstance(src, torch.fx.Node) and _same_layout(node_value(node), node_value(src)) and guard.may_forward(node, src):
                 count += _forward(graph, node, src)
         elif target is aten.slice_scatter.default:
             base, src = node.args[0], node.args[1]
@@ -75,13 +75,13 @@ def eliminate_noops(graph: torch.fx.Graph) -> int:
                 continue
             if _scatter_covers_base(node) and guard.may_forward(node, src, value_copy=True):
                 count += _forward(graph, node, src)
-            elif scatter_writes_back_own_view(node, _val(base), _val(src)) and guard.may_forward(node, base, value_copy=True):
+            elif scatter_writes_back_own_view(node, node_value(base), node_value(src)) and guard.may_forward(node, base, value_copy=True):
                 count += _forward(graph, node, base)
     return count
 
 
 # -- shared predicates (also used by the reinplacing pass) -------------------------------------
-def _val(node: Any) -> Any:
+def node_value(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
@@ -114,7 +114,7 @@ def statically_contiguous(t: Any) -> bool:
     return True
 
 
-def _storage(t: Any) -> int | None:
+def storage_of(t: Any) -> int | None:
     if isinstance(t, torch.Tensor) and torch._C._has_storage(t):
         return t.untyped_storage()._cdata
     return None
@@ -130,7 +130,7 @@ def _slice_params(node: torch.fx.Node, base: Any) -> tuple[int, Any, Any, Any]:
     for i, (name, default) in enumerate(zip(names, defaults)):
         pos = first + i
         v = node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
-        values.append(_val(v) if isinstance(v, torch.fx.Node) else v)
+        values.append(node_value(v) if isinstance(v, torch.fx.Node) else v)
     dim, start, end, step = values
     dim = dim % base.dim()
     size = base.shape[dim]
@@ -146,7 +146,7 @@ def _slice_params(node: torch.fx.Node, base: Any) -> tuple[int, Any, Any, Any]:
 
 def _scatter_covers_base(node: torch.fx.Node) -> bool:
     """``slice_scatter(base, src, ...)`` whose slice is all of `base`: the result is `src`."""
-    base, src = _val(node.args[0]), _val(node.args[1])
+    base, src = node_value(node.args[0]), node_value(node.args[1])
     if not (isinstance(base, torch.Tensor) and isinstance(src, torch.Tensor)) or base.dtype != src.dtype:
         return False
     dim, start, end, step = _slice_params(node, base)
@@ -166,7 +166,7 @@ def scatter_writes_back_own_view(node: torch.fx.Node, base: Any, src: Any) -> bo
     values other than the node's current arguments' to ask "would it be, after a rewrite")."""
     if not (isinstance(base, torch.Tensor) and isinstance(src, torch.Tensor)):
         return False
-    if _storage(base) is None or _storage(base) != _storage(src) or base.dtype != src.dtype:
+    if storage_of(base) is None or storage_of(base) != storage_of(src) or base.dtype != src.dtype:
         return False
     strides = list(base.stride())
     if node.target is aten.slice_scatter.default:
@@ -203,7 +203,7 @@ def _collapse_reshape_chain(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
     if not (isinstance(inner, torch.fx.Node) and inner.op == "call_function" and inner.target in RESHAPES):
         return 0
     source = inner.args[0]
-    if len(inner.users) != 1 or not isinstance(source, torch.fx.Node) or not statically_contiguous(_val(source)):
+    if len(inner.users) != 1 or not isinstance(source, torch.fx.Node) or not statically_contiguous(node_value(source)):
         return 0
     node.update_arg(0, source)
     graph.erase_node(inner)
@@ -222,8 +222,8 @@ class _AliasGuard:
     def __init__(self, graph: torch.fx.Graph) -> None:
         output = next(n for n in reversed(graph.nodes) if n.op == "output")
         self.outputs = set(output.all_input_nodes)
-        self.input_storages = {_storage(_val(n)) for n in graph.nodes if n.op in ("placeholder", "get_attr")}
-        self.output_storages = {_storage(_val(n)) for n in self.outputs}
+        self.input_storages = {storage_of(node_value(n)) for n in graph.nodes if n.op in ("placeholder", "get_attr")}
+        self.output_storages = {storage_of(node_value(n)) for n in self.outputs}
         self.written: set[int | None] = set()
         for n in graph.nodes:
             schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
@@ -234,13 +234,13 @@ class _AliasGuard:
                     value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
                     for v in value if isinstance(value, (list, tuple)) else (value,):
                         if isinstance(v, torch.fx.Node):
-                            self.written.add(_storage(_val(v)))
+                            self.written.add(storage_of(node_value(v)))
         self.input_storages.discard(None)
         self.output_storages.discard(None)
         self.written.discard(None)
 
     def may_forward(self, node: torch.fx.Node, src: torch.fx.Node, value_copy: bool = False) -> bool:
-        storage = _storage(_val(src))
+        storage = storage_of(node_value(src))
         if node in self.outputs and (src in self.outputs or storage in self.input_storages or storage in self.output_storages):
             return False
         return not (value_copy and storage in self.written)

@@ -30,6 +30,8 @@ argument of the op shares storage with a mutated one. Otherwise the node is left
 
 from __future__ import annotations
 
+import logging
+
 import heapq
 import itertools
 import operator
@@ -40,7 +42,9 @@ import torch.fx
 
 from . import noop as _noop
 from .base import PassContext, PiecewisePass
-from .noop import _storage, _val, scatter_writes_back_own_view
+from .noop import storage_of, node_value, scatter_writes_back_own_view
+
+log = logging.getLogger("piecewise")
 
 __all__ = ["ReinplaceCustomOps", "reinplace_custom_ops"]
 
@@ -122,7 +126,7 @@ def _plan(graph: torch.fx.Graph, af: torch.fx.Node) -> _Plan | None:
         arg = af.kwargs.get(name)
         if arg is None:
             continue
-        if not isinstance(arg, torch.fx.Node) or _storage(_val(arg)) is None:
+        if not isinstance(arg, torch.fx.Node) or storage_of(node_value(arg)) is None:
             return None  # a mutated list of tensors, or no fake value: leave it to Inductor
         mutated[first_mutated + j] = arg
     if not mutated or not _disjoint(af, mutated.values()):
@@ -144,8 +148,8 @@ def _plan(graph: torch.fx.Graph, af: torch.fx.Node) -> _Plan | None:
         n = plan.resolve(n)
         return getitems.get(n, n)
 
-    storages = {_storage(_val(a)) for a in mutated.values()}
-    aliases = {n for n in graph.nodes if _storage(_val(n)) in storages}
+    storages = {storage_of(node_value(a)) for a in mutated.values()}
+    aliases = {n for n in graph.nodes if storage_of(node_value(n)) in storages}
     inputs = [n for n in aliases if n.op in ("placeholder", "get_attr")]
     if len(inputs) > 1:
         return None  # aliased graph inputs: too easy to get wrong
@@ -154,8 +158,8 @@ def _plan(graph: torch.fx.Graph, af: torch.fx.Node) -> _Plan | None:
     covered: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
 
     def complete(scatter: torch.fx.Node) -> bool:
-        storage = _storage(_val(plan.resolve(scatter)))
-        return all(a in covered[scatter] for a in mutated.values() if _storage(_val(a)) == storage)
+        storage = storage_of(node_value(plan.resolve(scatter)))
+        return all(a in covered[scatter] for a in mutated.values() if storage_of(node_value(a)) == storage)
 
     after = order[af]
     # (position, tie-break, user, the planned scatter it was reached from or None for an old value)
@@ -170,7 +174,7 @@ def _plan(graph: torch.fx.Graph, af: torch.fx.Node) -> _Plan | None:
         checked.add((user, via))
         if user.target in _SCATTERS and user.args[1] in getitems:
             base, src = plan.resolve(user.args[0]), getitems[user.args[1]]
-            if base in aliases and scatter_writes_back_own_view(user, _val(base), _val(src)):
+            if base in aliases and scatter_writes_back_own_view(user, node_value(base), node_value(src)):
                 prior = covered.get(user.args[0], frozenset()) if via is not None else frozenset()
                 covered[user] = prior | {src}
                 plan.replace[user] = base
@@ -203,15 +207,16 @@ def _disjoint(af: torch.fx.Node, mutated: Any) -> bool:
     from torch._C._dynamo.guards import compute_overlapping_tensors
 
     mutated = list(mutated)
-    vals = [_val(a) for a in mutated]
+    vals = [node_value(a) for a in mutated]
     try:
         if len(vals) > 1 and compute_overlapping_tensors(vals):
             return False
-    except Exception:  # data-dependent sizes: assume they overlap
+    except Exception as e:  # data-dependent sizes: assume they overlap
+        log.debug("re-inplacing %s: overlap not decidable (%s: %s); left functional", af, type(e).__name__, e)
         return False
-    storages = {_storage(v) for v in vals}
+    storages = {storage_of(v) for v in vals}
     others = [n for n in af.all_input_nodes if n not in mutated]
-    return not any(_storage(_val(n)) in storages for n in others)
+    return not any(storage_of(node_value(n)) in storages for n in others)
 
 
 def _is_view(node: torch.fx.Node) -> bool:

@@ -1,7 +1,7 @@
 """Warm-start bundles: rebuild a compiled model without running Dynamo (docs/design.md §5.5).
 
 A cold start saves, next to the piece artifacts, one *bundle* per tag: Dynamo's transformed
-bytecode with its runtime globals and serialisable guards (`piecewise.capture`), the split module
+bytecode with its runtime globals and serialisable guards (`piecewise.trace`), the split module
 and its pieces (FX graphs without metadata, `torch.fx._graph_pickler.GraphPickler`), the stitching
 plan (`PiecewiseBackend.plan`) and the sha256 of every traced source file. A warm start finds it
 *before* tracing, under the *start key*: everything known before a trace - piecewise, torch and
@@ -14,7 +14,7 @@ damaged bundle, which is also moved aside):
 
 1. the bundle entry's index and the bundle's sha256 (`CacheEntry`, as for every artifact);
 2. every traced source file still hashes to the recorded sha256 (an edit forces a retrace);
-3. the values of globals ``forward`` read, as recorded at trace time (`piecewise.capture.changed_globals`),
+3. the values of globals ``forward`` read, as recorded at trace time (`piecewise.trace.changed_globals`),
    then PyTorch's own compatibility record (Python and torch versions, GPU) and the guards, evaluated on
    the first call's arguments - constructor arguments that change the graph change a guarded value
    (a tensor shape, a constant attribute, a container length) even when the fingerprint misses them;
@@ -56,8 +56,19 @@ from typing import Any
 
 import torch
 
-from ..fingerprint import code_digest
-from .key import KEY_FORMAT, compute_key, env_factors, file_hashes
+import filelock
+
+from ._version import __version__
+from .backend import PiecewiseBackend
+from .cache.key import KEY_FORMAT, compute_key, diff_factors, env_factors, file_hashes
+from .cache.store import (FACTORS, INDEX, LOCK, CacheEntry, CacheIndexError, check_permissions, current_rank, env_flag,
+                          read_index, remove_tree, resolve_root)
+from .compiled import CompiledPlan
+from .counters import counters
+from .errors import CompileError
+from .fingerprint import code_digest
+from .split import SplitResult
+from .trace import Trace, changed_globals, rebuild
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fingerprint", "encode_bundle", "decode_bundle",
            "stale_sources"]
@@ -65,7 +76,7 @@ __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fing
 log = logging.getLogger("piecewise")
 
 #: Bump when the bundle's layout or meaning changes: old bundles then miss (different start key).
-BUNDLE_FORMAT = 3
+BUNDLE_FORMAT = 4
 #: The artifact name of the bundle inside its entry.
 BUNDLE = "bundle"
 
@@ -106,7 +117,8 @@ def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
     if callable(to_dict) and not isinstance(v, type):  # configuration objects (transformers' PretrainedConfig)
         try:
             out = [type(v).__qualname__, json.dumps(to_dict(), sort_keys=True, default=_json_default)]
-        except Exception:
+        except Exception as e:
+            log.debug("%s.to_dict() failed (%s: %s); fingerprinted by type only", type(v).__qualname__, type(e).__name__, e)
             out = type(v).__qualname__
     elif dataclasses.is_dataclass(v) and not isinstance(v, type):
         out = [type(v).__qualname__, {f.name: _describe(getattr(v, f.name, None), depth - 1, memo) for f in dataclasses.fields(v)}]
@@ -135,7 +147,7 @@ def module_fingerprint(module: torch.nn.Module) -> str:
     other attributes (values described two levels deep), and which submodules, tensors and
     attribute objects are one object reached by two paths (tied weights, a config shared by every
     layer). It stands in for the per-parameter and per-submodule guards a bundle leaves out
-    (`piecewise.capture`).
+    (`piecewise.trace`).
 
     Two instances of one class built with different arguments (layer count, width, eps, a flag)
     get different fingerprints, so they never share a bundle. Weights' values are not read."""
@@ -182,7 +194,6 @@ def _class_data(cls: type, memo: dict[int, Any]) -> dict[str, Any]:
 
 def start_factors(backend: Any, module: torch.nn.Module, call_signature: list[Any]) -> dict[str, Any]:
     """The start-key factors: what selects a bundle before any trace (see module doc)."""
-    from .. import __version__
 
     fwd = type(module).forward
     return {
@@ -257,7 +268,7 @@ def _graph_options():
     return Options(ops_filter=None, node_metadata_key_filter=lambda key: False)
 
 
-def encode_bundle(split_module: torch.fx.GraphModule, piece_names: list[str], plan: dict[str, Any], dynamo: bytes,
+def encode_bundle(split_module: torch.fx.GraphModule, piece_names: list[str], plan: CompiledPlan, dynamo: bytes,
                   sources: dict[str, str], modules: dict[str, str]) -> bytes:
     """The bundle bytes. `split_module` is pickled without the runners installed in its
     ``__dict__`` (names in `piece_names`); they are rebuilt from `plan` at load.
@@ -335,7 +346,6 @@ def bundle_entries(root: str, tag: str, rank_dir: str, key_glob: str = "*") -> l
     saved or used first."""
     import glob
 
-    from .store import INDEX, IndexError_, read_index
 
     out = []
     for f in glob.glob(os.path.join(glob.escape(root), key_glob, rank_dir, glob.escape(tag), INDEX)):
@@ -344,7 +354,7 @@ def bundle_entries(root: str, tag: str, rank_dir: str, key_glob: str = "*") -> l
         try:
             if read_index(f)["meta"].get("kind") == "bundle":
                 out.append((os.path.getmtime(f), os.path.dirname(f)))
-        except (OSError, IndexError_):
+        except (OSError, CacheIndexError):
             continue
     return sorted(out, reverse=True)
 
@@ -353,9 +363,6 @@ def prune_bundles(root: str, tag: str, rank_dir: str, keep: int, protect: str) -
     """Remove the bundle entries of `tag` beyond the `keep` most recently saved or used (never
     `protect`, the one just saved); returns how many. Each goes under its writer lock, renamed
     aside first (`remove_tree`), so a process reading it meanwhile falls back to tracing."""
-    import filelock
-
-    from .store import LOCK, check_permissions, remove_tree
 
     removed = 0
     for _, path in bundle_entries(root, tag, rank_dir)[keep:]:
@@ -394,6 +401,28 @@ def bundles_per_tag() -> int:
 miss_reasons: dict[str, str] = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class StartSubject:
+    """What a warm start is asked for, handed over by the compiled model.
+
+    Attributes:
+        config: the `CompilationConfig`.
+        tag: the region's tag.
+        module: the model (its fingerprint selects the bundle).
+        forward_fn: ``type(module).forward`` (its globals run the transformed code).
+        call_signature: the first call's `CallSignature.describe()`.
+        frame_locals: ``frame_locals(args, kwargs)``, the locals ``forward`` sees for a call
+            (what the bundle's guards read).
+    """
+
+    config: Any
+    tag: str
+    module: torch.nn.Module
+    forward_fn: types.FunctionType
+    call_signature: tuple[Any, ...]
+    frame_locals: Any
+
+
 class WarmStart:
     """The bundle side of one compiled model's first call.
 
@@ -403,10 +432,9 @@ class WarmStart:
     None when no bundle can be used or saved at all (cache disabled, mode ``none``).
     """
 
-    def __init__(self, model: Any, root: str, key: str, factors: dict[str, Any]) -> None:
-        from .store import current_rank
+    def __init__(self, model: StartSubject, root: str, key: str, factors: dict[str, Any]) -> None:
 
-        self.model = model
+        self.subject = model
         self.tag = model.tag
         self.root = root
         self.key = key
@@ -426,19 +454,16 @@ class WarmStart:
         self.preloaded: dict[str, Any] = {}
 
     @classmethod
-    def open(cls, model: Any, args: tuple, kwargs: dict) -> WarmStart | None:
+    def open(cls, model: StartSubject, args: tuple, kwargs: dict) -> WarmStart | None:
         import time
 
-        from ..backend import PiecewiseBackend
-        from ..counters import counters
-        from .store import env_flag, resolve_root
 
         config = model.config
         root = resolve_root(config.cache_dir)
         if root is None or config.mode == "none" or env_flag("PIECEWISE_DISABLE_BUNDLE"):
             return None
         t0 = time.perf_counter()
-        call = model._signature.describe()
+        call = list(model.call_signature)
         backend = PiecewiseBackend(config, model.tag, call_signature=call)
         factors = start_factors(backend, model.module, call)
         start = cls(model, root, start_key(factors), factors)
@@ -465,7 +490,6 @@ class WarmStart:
 
     def _candidates(self) -> list[Any]:
         """The opened bundle entries of this start key, most recently saved or used first."""
-        from .store import CacheEntry
 
         out = []
         for _, path in bundle_entries(self.root, self.tag, self.rank_dir, key_glob=f"{self.key}-*"):
@@ -477,8 +501,6 @@ class WarmStart:
     def _no_bundle(self) -> str:
         """Why no bundle exists for this start key: which start factors differ from the newest
         bundle of this tag (what changed since it was saved), or that there is none."""
-        from .key import diff_factors
-        from .store import FACTORS
 
         for _, path in bundle_entries(self.root, self.tag, self.rank_dir):
             try:
@@ -494,9 +516,6 @@ class WarmStart:
     def _load(self, backend: Any, args: tuple, kwargs: dict) -> str:
         """Fill `fast`, `backend`, `guards` and `entry` from the first bundle of the start key that
         validates; returns why none did (every candidate's reason), or ''."""
-        from ..errors import CompileError
-        from ..split import SplitResult
-        from .store import CacheEntry
 
         candidates = self._candidates()
         if not candidates:
@@ -518,13 +537,13 @@ class WarmStart:
             return "; ".join(reasons)
         self.entry = entry
         plan = body["plan"]
-        if plan["cache_key"] != entry.index["meta"].get("compile_key"):
+        if not isinstance(plan, CompiledPlan) or plan.cache_key != entry.index["meta"].get("compile_key"):
             raise ValueError("the bundle and its index name different compile entries")
-        compile_entry = CacheEntry(entry.root, plan["cache_key"], self.tag, rank=self.rank)
-        if not compile_entry.open(plan["cache_meta"]):
-            return f"its compile entry {plan['cache_key']} is gone"
+        compile_entry = CacheEntry(entry.root, plan.cache_key, self.tag, rank=self.rank)
+        if not compile_entry.open(dict(plan.cache_meta or {})):
+            return f"its compile entry {plan.cache_key} is gone"
         try:
-            split = SplitResult.from_module(body["split_module"], plan["splitting"])
+            split = SplitResult.from_module(body["split_module"], list(plan.splitting))
             cap.compiled_fn = backend.restore(split, plan, compile_entry)
         except CompileError as e:  # a piece artifact is missing or bad (already reported)
             return str(e)
@@ -533,7 +552,7 @@ class WarmStart:
             return "the bundle is damaged"
         lap("restore")
         self.backend, self.guards = backend, cap.guard_manager
-        self.fast = cap.function(self.model._forward_fn.__globals__)
+        self.fast = cap.function(self.subject.forward_fn.__globals__)
         try:  # most recently used: kept longest when bundles of this tag are pruned
             os.utime(os.path.join(entry.path, "index.json"))
         except OSError:
@@ -546,7 +565,6 @@ class WarmStart:
         Raises:
             Exception: the bundle does not decode (damaged, or written by another build).
         """
-        from ..capture import changed_globals, rebuild
 
         payload = entry.load_artifact(BUNDLE)
         if payload is None:
@@ -559,12 +577,12 @@ class WarmStart:
         moved = moved_modules(body["modules"])
         if moved:
             return f"module {moved[0]}", None, None
-        cap = rebuild(body["dynamo"], None, self.model._forward_fn)
-        changed = changed_globals(cap, self.model._forward_fn)
+        cap = rebuild(body["dynamo"], None, self.subject.forward_fn)
+        changed = changed_globals(cap, self.subject.forward_fn)
         lap("guards")
         if changed:
             return f"a global read by forward changed since the trace: {changed[0]}", None, None
-        f_locals = self.model._f_locals(args, kwargs)
+        f_locals = self.subject.frame_locals(args, kwargs)
         if not cap.guard_manager.check(f_locals):
             failed = cap.guard_manager.check_verbose(f_locals).verbose_code_parts
             return f"a guard of the bundle fails for this instance or call ({failed[0] if failed else '?'})", None, None
@@ -573,8 +591,6 @@ class WarmStart:
     def save(self, backend: Any, cap: Any) -> None:
         """After a trace: write the bundle for the next process (logged when it cannot be), then
         prune this tag's bundles to `bundles_per_tag`."""
-        from ..counters import counters
-        from .store import CacheEntry
 
         if backend.cache is None or not backend.cache.writable:
             return
@@ -590,7 +606,7 @@ class WarmStart:
         entry = CacheEntry(self.root, key, self.tag, rank=self.rank)
         entry.open(None)  # permissions (an unsafe directory is neither read nor written)
         if entry.writable and entry.save_artifact(BUNDLE, data):
-            meta = {"kind": "bundle", "compile_key": plan["cache_key"], "device": plan["device"]}
+            meta = {"kind": "bundle", "compile_key": plan.cache_key, "device": plan.device}
             entry.commit(meta, self.factors, backend.graph_code)
             if entry.writable:
                 counters.bump("bundles_saved", tag=self.tag)

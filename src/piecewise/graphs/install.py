@@ -1,7 +1,9 @@
-"""Deciding whether and how a compiled model captures graphs, and installing the wrappers."""
+"""Deciding whether and how a compiled model captures graphs (`GraphPlan`, `token_mixing`), and
+installing the graph wrappers into a stitched forward (`install_graphs`) (docs/design.md §6)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -9,14 +11,44 @@ from typing import Any
 import torch
 
 from ..counters import counters
-from .dispatch import GraphDispatcher, StaticInput
+from ..forward_context import RuntimeMode
+from .dispatch import GraphDispatcher, StaticInput, Stitched
 from .platform import resolve_platform
-from .wrapper import GraphRunner, PieceGraphWrapper
+from .wrapper import GraphPool, PieceGraphWrapper
 
-__all__ = ["graph_plan", "install_graphs", "token_mixing"]
+__all__ = ["GraphPlan", "GraphInstall", "graph_plan", "install_graphs", "token_mixing"]
 
 log = logging.getLogger("piecewise")
 _logged_no_platform: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPlan:
+    """What graph capture needs to know about one traced graph, decided at compile time and saved
+    in warm-start bundles (plain data: ints and strings).
+
+    Attributes:
+        device: the graph's device type (``"cuda"``, ``"cpu"``).
+        static_inputs: ``(input index, token dim)`` of every graph input with a token dim; they get
+            static buffers padded to the capture size.
+        output_dims: per flat output, its token dim (sliced back to the real rows), or None.
+        refused: why this graph gets no graphs at all (None: it may capture).
+    """
+
+    device: str
+    static_inputs: tuple[tuple[int, int], ...] = ()
+    output_dims: tuple[int | None, ...] = ()
+    refused: str | None = None
+
+
+@dataclasses.dataclass
+class GraphInstall:
+    """What `install_graphs` built: the dispatcher the stitched forward calls, the graph pool its
+    wrappers share, and the per-piece wrappers in piece order (empty in full mode)."""
+
+    dispatcher: GraphDispatcher
+    pool: GraphPool
+    wrappers: list[PieceGraphWrapper]
 
 
 def _token_dim(x: Any, symbol: Any) -> int | None | bool:
@@ -105,74 +137,68 @@ def token_mixing(gm: torch.fx.GraphModule, symbol: Any, split_ops: frozenset[str
     return found
 
 
-def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, tag: str,
-               mixing: Sequence[str] = ()) -> dict[str, Any]:
-    """What graph capture needs to know about a graph, as plain data (saved in warm-start bundles).
-
-    Returns ``{"device": str, "static_inputs": [[input index, token dim], ...], "output_dims":
-    [token dim or None per output]}``, or with ``"refused": reason`` when inputs cannot be padded
-    or the graph combines values across tokens (`mixing`, from `token_mixing`): padding would let
-    pad rows into real results."""
+def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, mixing: Sequence[str] = ()) -> GraphPlan:
+    """The `GraphPlan` of a graph from its fake inputs and outputs. `refused` is set when inputs
+    cannot be padded or the graph combines values across tokens (`mixing`, from `token_mixing`):
+    padding would let pad rows into real results."""
     device = next((x.device.type for x in fake_inputs if isinstance(x, torch.Tensor)), "cpu")
     if mixing:
         more = f" and {len(mixing) - 2} more" if len(mixing) > 2 else ""
-        return {"device": device, "refused": f"the model combines values across tokens outside splitting ops, so pad rows "
+        return GraphPlan(device, refused=f"the model combines values across tokens outside splitting ops, so pad rows "
                 f"of a padded call would change real results: {'; '.join(mixing[:2])}{more}. Graphs need every token's "
                 "result to depend on its own row only; move such steps into a splitting op that honours "
-                "forward_context().num_tokens, or after the compiled model, or set cudagraph_mode='none'"}
-    statics: list[list[int]] = []
+                "forward_context().num_tokens, or after the compiled model, or set cudagraph_mode='none'")
+    statics: list[tuple[int, int]] = []
     for i, x in enumerate(fake_inputs):
         d = _token_dim(x, symbol)
         if d is False:
-            return {"device": device, "refused": f"graph input {i} has the token count inside a dim expression"}
+            return GraphPlan(device, refused=f"graph input {i} has the token count inside a dim expression")
         if d is not None:
-            statics.append([i, d])
+            statics.append((i, d))
     outs = fake_outputs if isinstance(fake_outputs, (tuple, list)) else (fake_outputs,)
     output_dims = []
     for i, o in enumerate(outs):
         d = _token_dim(o, symbol)
         if d is False:  # flattened with other dims, or shortened (s - 1): cannot be sliced back to real rows
-            return {"device": device, "refused": f"output {i} has the token count inside a dim expression "
+            return GraphPlan(device, refused=f"output {i} has the token count inside a dim expression "
                     f"({tuple(o.shape)}), so a padded call's pad rows could not be sliced off; return the token dim as "
-                    "a dim of its own, or set cudagraph_mode='none'"}
+                    "a dim of its own, or set cudagraph_mode='none'")
         output_dims.append(d)
-    return {"device": device, "static_inputs": statics, "output_dims": output_dims}
+    return GraphPlan(device, tuple(statics), tuple(output_dims))
 
 
-def install_graphs(backend, stitched, plan: dict[str, Any]) -> GraphDispatcher | None:
-    """A `GraphDispatcher` for `stitched`, with piece wrappers installed in its split module, or None
-    when graphs do not apply (mode ``none``, no graph platform for the device, inputs that cannot be
-    padded). `plan` comes from `graph_plan`."""
-    config, tag = backend.config, backend.tag
+def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[Any], plan: GraphPlan) -> GraphInstall | None:
+    """Graph capture for `stitched` (a `StitchedForward`), with a `PieceGraphWrapper` installed in
+    its split module in place of each compiled piece's runner (`runners`, in piece order) for
+    piecewise modes; or None when graphs do not apply (``cudagraph_mode="none"``, no graph
+    platform for the device, `plan.refused`). Nothing outside `stitched` is written."""
     mode = config.cudagraph_mode
     if mode == "none":
         return None
-    device = plan["device"]
+    device = plan.device
     platform = resolve_platform(device)
     if platform is None:
         if device not in _logged_no_platform:
             _logged_no_platform.add(device)
             log.info("no graph platform for device %r: cudagraph_mode=%r resolves to 'none'", device, mode)
         return None
-    if "refused" in plan:
-        log.warning("[%s] %s; capturing no graphs", tag, plan["refused"])
+    if plan.refused is not None:
+        log.warning("[%s] %s; capturing no graphs", tag, plan.refused)
         return None
-    statics = [StaticInput(i, d) for i, d in plan["static_inputs"]]
     from .capture_sizes import default_capture_sizes, validate_capture_sizes
 
     sizes = config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_tokens)
     sizes, _dropped = validate_capture_sizes(sizes, config.max_num_tokens)
-    runner = GraphRunner(platform, debug=config.debug, tag=tag)
-    split_gm = stitched.split_gm
+    pool = GraphPool(platform, debug=config.debug, tag=tag)
+    wrappers: list[PieceGraphWrapper] = []
     if mode in ("piecewise", "full_and_piecewise"):
-        for i, r in enumerate(backend.runners):
-            w = PieceGraphWrapper(r, runner, mode="piecewise", first=(i == 0), name=r.name)
-            split_gm.__dict__[r.name] = w
-            backend.stitched_wrappers.append(w)
-        counters.bump("capturable_pieces", len(backend.runners), tag=tag)
-    backend.graph_runner = runner
-    dispatcher = GraphDispatcher(stitched.forward, runner, sizes, sym_index=stitched.sym_index, static_inputs=statics,
-                                 output_dims=list(plan["output_dims"]), cudagraph_mode=mode, max_num_tokens=config.max_num_tokens,
-                                 select_entry=stitched.select_entry, plain=stitched.run_plain, tag=tag)
-    dispatcher.wrappers = list(backend.stitched_wrappers)
-    return dispatcher
+        for i, r in enumerate(runners):
+            w = PieceGraphWrapper(r, pool, mode=RuntimeMode.PIECEWISE, first=(i == 0), name=r.name)
+            stitched.split_gm.__dict__[r.name] = w
+            wrappers.append(w)
+        counters.bump("capturable_pieces", len(runners), tag=tag)
+    dispatcher = GraphDispatcher(stitched, pool, sizes, static_inputs=[StaticInput(i, d) for i, d in plan.static_inputs],
+                                 output_dims=list(plan.output_dims), cudagraph_mode=mode, max_num_tokens=config.max_num_tokens,
+                                 tag=tag)
+    dispatcher.wrappers = wrappers
+    return GraphInstall(dispatcher, pool, wrappers)

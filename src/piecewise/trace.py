@@ -2,12 +2,12 @@
 
 `capture` runs Dynamo's full-graph capture on the module's ``forward`` (no graph breaks), hands the
 graph to a backend inside a tracing context that still lists the traced code objects, and returns a
-`Capture`: the transformed bytecode with its runtime globals (Dynamo's `GraphRuntimeEnv`), the
+`Trace`: the transformed bytecode with its runtime globals (Dynamo's `GraphRuntimeEnv`), the
 backend's callable, the guards as a guard manager and - when they can be serialised - as bytes.
 
-`Capture.function` builds the plain function every later call runs (guard-free dispatch: the guards
+`Trace.function` builds the plain function every later call runs (guard-free dispatch: the guards
 are never evaluated on the hot path). `dynamo_state` / `rebuild` turn the Dynamo half into bytes and
-back, so a warm process can skip the trace entirely (see `piecewise.cache.bundle`).
+back, so a warm process can skip the trace entirely (see `piecewise.warmstart`).
 
 This is the same machinery as PyTorch's ``torch.compile(...).aot_compile`` (``aot_compile_fullgraph``),
 used directly so that the backend sees the traced source files (they enter the cache key) and so the
@@ -18,10 +18,10 @@ included (``torch.compile(...).aot_compile`` drops every global guard): identity
 (``ID_MATCH``, ``FUNCTION_MATCH`` and kin) are left out, and so are the
 per-parameter and per-submodule guards the module fingerprint already decides (`_fingerprinted`);
 what they protect is covered by the bundle's source hashes and module fingerprint
-(`piecewise.cache.bundle`). Dynamo rebuilds a loaded guard on a global from the saved globals, and
+(`piecewise.warmstart`). Dynamo rebuilds a loaded guard on a global from the saved globals, and
 a module or class is saved by reference, so ``G['cfg'].SCALE == 2.0`` would be rebuilt with the live
 value; the value each saved global guard compares is therefore recorded at trace time
-(`Capture.global_values`, canonical data) and compared with the live one before a warm start
+(`Trace.global_values`, canonical data) and compared with the live one before a warm start
 (`changed_globals`). A value with no canonical record means no bundle (logged).
 """
 
@@ -38,13 +38,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["Capture", "capture", "rebuild"]
+__all__ = ["Trace", "trace", "rebuild"]
 
 log = logging.getLogger("piecewise")
 
 
 @dataclasses.dataclass
-class Capture:
+class Trace:
     """What one trace produced.
 
     Attributes:
@@ -119,9 +119,9 @@ class Capture:
         return buf.getvalue()
 
 
-def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.FunctionType) -> Capture:
-    """A `Capture` from `Capture.dynamo_state` bytes, calling `compiled_fn` for the graph (may be
-    set later, before `Capture.function`: the guards can be checked before any artifact loads).
+def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.FunctionType) -> Trace:
+    """A `Trace` from `Trace.dynamo_state` bytes, calling `compiled_fn` for the graph (may be
+    set later, before `Trace.function`: the guards can be checked before any artifact loads).
 
     `forward` is the live function that was traced (``type(module).forward``): its globals, closure
     and defaults are used; the guard manager is rebuilt against its globals. `traced_code` is empty
@@ -143,7 +143,7 @@ def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.
             live.co_code, live.co_consts, live.co_names, live.co_freevars):
         raise ValueError(f"the bundle was traced from another {forward.__qualname__}")
     guards = load_guard_manager(load_guards_state(state["guards_state"]), original, _runtime_scope(env, forward))
-    return Capture(env, state["backend_id"], compiled_fn, original, guards, state["guards_state"], [],
+    return Trace(env, state["backend_id"], compiled_fn, original, guards, state["guards_state"], [],
                    global_values=state["global_values"])
 
 
@@ -155,7 +155,7 @@ def _runtime_scope(env: Any, forward: types.FunctionType) -> dict[str, Any]:
             **forward.__globals__}
 
 
-def changed_globals(cap: Capture, forward: types.FunctionType) -> list[str]:
+def changed_globals(cap: Trace, forward: types.FunctionType) -> list[str]:
     """The saved guards on globals whose live value differs from the one recorded at trace time.
 
     Dynamo rebuilds a loaded guard with the value found in the saved globals; a module or class is
@@ -188,7 +188,8 @@ def _closure_vars() -> dict[str, Any]:
         from torch._dynamo.guards import _get_closure_vars
 
         return dict(_get_closure_vars())
-    except Exception:  # another torch: sources of the plain kinds need none
+    except Exception as e:  # another torch: sources of the plain kinds need none
+        log.debug("Dynamo's guard closure helpers are not available here (%s: %s)", type(e).__name__, e)
         return {}
 
 
@@ -339,7 +340,9 @@ def _fingerprint_covers(path: str, root: torch.nn.Module, by_value: bool = False
     elif callable(getattr(value, "to_dict", None)):
         try:
             held = field in value.to_dict()
-        except Exception:
+        except Exception as e:
+            log.debug("%s.to_dict() failed (%s: %s); %s is not taken as fingerprinted", type(value).__qualname__,
+                      type(e).__name__, e, field)
             held = False
     else:
         held = field in getattr(value, "__dict__", {})
@@ -347,7 +350,7 @@ def _fingerprint_covers(path: str, root: torch.nn.Module, by_value: bool = False
 
 
 def _fingerprinted(g: Any, root: torch.nn.Module) -> bool:
-    """Guards that `piecewise.cache.bundle.module_fingerprint` already decides, left out of the saved
+    """Guards that `piecewise.warmstart.module_fingerprint` already decides, left out of the saved
     guards because they are most of them (per parameter, per submodule) and rebuilding them costs
     more than the rest of a warm start: metadata of parameters and buffers, empty hook dicts and
     absent instance attributes of submodules, types of submodules and their dicts, values of
@@ -370,8 +373,8 @@ def _fingerprinted(g: Any, root: torch.nn.Module) -> bool:
     return False
 
 
-def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[..., Any], *, full_guards: bool = False,
-            object_args: tuple[str, ...] = ()) -> Capture:
+def trace(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[..., Any], *, full_guards: bool = False,
+            object_args: tuple[str, ...] = ()) -> Trace:
     """Trace ``module.forward(*args, **kwargs)`` once with Dynamo (full graph) and compile the graph
     with `backend(gm, example_inputs)`.
 
@@ -379,7 +382,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
         full_guards: also build the unfiltered guard manager (debug mode checks every guard,
             identity and global guards included); otherwise the guard manager is the serialisable one.
         object_args: names of arguments that are plain objects (no value equality, e.g. a cache
-            object): `Capture.object_guards` is then a guard manager of the guards rooted at them
+            object): `Trace.object_guards` is then a guard manager of the guards rooted at them
             only, cheap enough to check on every call.
 
     Raises:
@@ -474,7 +477,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callabl
     for name in env.external_refs:
         if name.startswith("___") and name not in env.used_globals and name not in env.import_sources and name in gco.f_globals:
             env.used_globals[name] = gco.f_globals[name]
-    return Capture(env, bi.backend_id, compiled, fn.__code__, manager, guards_state, list(gco.traced_code), why,
+    return Trace(env, bi.backend_id, compiled, fn.__code__, manager, guards_state, list(gco.traced_code), why,
                    object_guards, global_values=global_values)
 
 

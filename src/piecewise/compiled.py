@@ -1,0 +1,189 @@
+"""The compiled result of one graph, one type for both ways of making it (docs/design.md §4.2, §5.5).
+
+A cold start splits and compiles; a warm start loads the same pieces from the cache by a saved
+`CompiledPlan`. Both end in `build_forward`, which installs the piece runners and eager splitting
+pieces in the split module and wraps it as a `StitchedForward` (with graph capture installed when
+the plan allows it), and both return a `CompiledForward`.
+
+A `CompiledPlan` is plain, frozen data saved in warm-start bundles: for each distinct piece
+(by fingerprint) one step per compile entry, `Load` (an artifact by name), `Reuse` (the callable
+of an earlier entry of the same piece) or `Rebuild` (an adaptor that rebuilds from the piece graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import torch.fx
+
+from .errors import InputError
+from .forward_context import ForwardContext, RuntimeMode, enter_forward, exit_forward
+from .graphs.install import GraphInstall, GraphPlan, install_graphs
+from .piece import DispatchState, EntryTable, PieceRunner
+from .split import SplitResult, fx_forward
+
+__all__ = ["Load", "Reuse", "Rebuild", "Step", "RunnerSpec", "CompiledPlan", "CompiledForward", "StitchedForward",
+           "build_forward"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """Load the compiled piece saved as artifact `name` in the compile entry."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Reuse:
+    """Use the callable of entry `entry` of the same piece (an adaptor that does not specialise
+    sizes, or a size that fell back to its range)."""
+
+    entry: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebuild:
+    """Ask the adaptor to rebuild the callable from the piece graph (adaptors that save nothing)."""
+
+
+Step = Union[Load, Reuse, Rebuild]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerSpec:
+    """One compiled piece in call order: its attribute name in the split module, its index among
+    all pieces, and the fingerprint that selects its callables."""
+
+    name: str
+    index: int
+    fingerprint: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPlan:
+    """How to rebuild a `CompiledForward` from the cache without tracing (see module doc).
+
+    Attributes:
+        runners: the compiled pieces in call order.
+        steps: per fingerprint, one `Step` per compile entry (`EntryTable` order).
+        sym_index: position of the token-count SymInt among the graph inputs (None: static shapes).
+        graph_plan: graph capture's plan (None: static shapes).
+        cache_key: the compile entry holding the artifacts (None: no cache).
+        cache_meta: that entry's index meta, checked when it is opened.
+        traced_files: source files Dynamo inlined.
+        splitting: indices of the splitting pieces.
+        device: device type of the graph's inputs.
+    """
+
+    runners: tuple[RunnerSpec, ...]
+    steps: Mapping[str, tuple[Step, ...]]
+    sym_index: int | None
+    graph_plan: GraphPlan | None
+    cache_key: str | None
+    cache_meta: Mapping[str, Any] | None
+    traced_files: tuple[str, ...]
+    splitting: tuple[int, ...]
+    device: str
+
+
+class StitchedForward:
+    """The runtime callable Dynamo calls with the graph's flat inputs.
+
+    Per call: read the token count (the first SymInt input), pick the compile entry once, set the
+    forward context, run the split module's generated code (which calls `PieceRunner`s and eager
+    splitting pieces from plain attributes). With graphs installed, the `GraphDispatcher` pads the
+    call to a capture size and replays instead.
+    """
+
+    def __init__(self, split_gm: torch.fx.GraphModule, table: EntryTable, state: DispatchState,
+                 sym_index: int | None, tag: str, max_num_tokens: int) -> None:
+        self.forward = fx_forward(split_gm)
+        self.split_gm = split_gm
+        self.table = table
+        self.state = state
+        self.sym_index = sym_index
+        self.tag = tag
+        self.max_num_tokens = max_num_tokens
+        self.graphs: Any = None  # a graphs.dispatch.GraphDispatcher when graphs are captured
+
+    def __call__(self, *args: Any) -> Any:
+        if self.graphs is not None:
+            return self.graphs(args)
+        return self.run_plain(*args)
+
+    def run_plain(self, *args: Any) -> Any:
+        """One forward without graphs, at the call's own size.
+
+        Raises:
+            InputError: the dynamic size exceeds ``max_num_tokens``.
+        """
+        if self.sym_index is None:  # static shapes: one entry, no token count to report
+            self.state.entry = 0
+            return self.forward(*args)
+        n = args[self.sym_index]
+        e = self.table.index_for(n)
+        if e < 0:
+            raise InputError(
+                f"dynamic size {n} exceeds max_num_tokens={self.max_num_tokens} of tag {self.tag!r}; "
+                "raise max_num_tokens in the CompilationConfig"
+            )
+        self.state.entry = e
+        token = enter_forward(ForwardContext(n, n, RuntimeMode.NONE, None, self.tag))
+        try:
+            return self.forward(*args)
+        finally:
+            exit_forward(token)
+
+    def select_entry(self, n: int) -> None:
+        self.state.entry = self.table.index_for(n)
+
+
+@dataclasses.dataclass
+class CompiledForward:
+    """One compiled graph, however it was made.
+
+    Attributes:
+        stitched: what Dynamo's transformed code calls.
+        split: the split graph (pieces and split module).
+        runners: the compiled pieces' runners, in call order.
+        table: the compile entries every runner selects from.
+        plan: how a warm start rebuilds this (None when a piece could not be saved).
+        graphs: graph capture installed for it (None: no graphs).
+    """
+
+    stitched: StitchedForward
+    split: SplitResult
+    runners: list[PieceRunner]
+    table: EntryTable
+    plan: CompiledPlan | None
+    graphs: GraphInstall | None
+
+
+def build_forward(config: Any, tag: str, split: SplitResult, table: EntryTable, runners: Sequence[RunnerSpec],
+                  callables: Mapping[str, list[Callable[..., Any]]], sym_index: int | None, graph_plan: GraphPlan | None,
+                  plan: CompiledPlan | None) -> CompiledForward:
+    """Install `runners` (their callables by fingerprint, one per entry of `table`) and the eager
+    splitting pieces in `split`'s module, wrap it for dispatch and graph capture. The one way a
+    `CompiledForward` is made: after compiling (cold) and after loading (warm)."""
+    state = DispatchState()
+    by_name = {it.name: it for it in split.items}
+    split_gm = split.split_module
+    built: list[PieceRunner] = []
+    for spec in runners:
+        runner = PieceRunner(spec.name, spec.index, by_name[spec.name].graph, state, spec.fingerprint)
+        runner.callables = callables[spec.fingerprint]
+        built.append(runner)
+    # Instance attributes win over nn.Module.__getattr__, so the generated forward calls these
+    # directly; splitting pieces skip Module.__call__ overhead through their bound forward.
+    for item in split.items:
+        if item.is_splitting:
+            split_gm.__dict__[item.name] = fx_forward(item.graph)
+    for runner in built:
+        split_gm.__dict__[runner.name] = runner
+    stitched = StitchedForward(split_gm, table, state, sym_index, tag, config.max_num_tokens)
+    graphs = install_graphs(config, tag, stitched, built, graph_plan) if graph_plan is not None else None
+    if graphs is not None:
+        stitched.graphs = graphs.dispatcher
+    return CompiledForward(stitched, split, built, table, plan, graphs)
