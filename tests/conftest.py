@@ -2,13 +2,18 @@
 
 Set before torch is imported anywhere, so Inductor's on-disk caches (FX graph, AOTAutograd, C++
 kernels) are shared by every test of the session and nothing is written outside the temp dir.
+`make test` runs the suite on two pytest-xdist workers: the process that creates the dir passes it
+to the workers through ``PIECEWISE_TEST_SESSION_DIR``, so they share it, and only it removes it.
 """
 
 import os
 import shutil
 import tempfile
 
-_SESSION_DIR = tempfile.mkdtemp(prefix="piecewise-tests-")
+_OWNER = "PIECEWISE_TEST_SESSION_DIR" not in os.environ
+if _OWNER:
+    os.environ["PIECEWISE_TEST_SESSION_DIR"] = tempfile.mkdtemp(prefix="piecewise-tests-")
+_SESSION_DIR = os.environ["PIECEWISE_TEST_SESSION_DIR"]
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_SESSION_DIR, "inductor")
 os.environ["TRITON_CACHE_DIR"] = os.path.join(_SESSION_DIR, "triton")
 os.environ["PIECEWISE_CACHE_DIR"] = os.path.join(_SESSION_DIR, "piecewise")
@@ -32,7 +37,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+    if _OWNER:
+        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+        os.environ.pop("PIECEWISE_TEST_SESSION_DIR", None)
 
 
 @pytest.fixture
