@@ -105,7 +105,8 @@ class CompiledModel:
             from .compilers import get_adaptor
 
             get_adaptor(config.backend, config)  # an unknown adaptor name fails here, before any call
-        self._signature = CallSignature(self._params, self._dynamic, self.tag, config.max_num_tokens)
+        self._signature = CallSignature(self._params, self._dynamic, self.tag, config.max_num_tokens,
+                                        min_dynamic_size=2 if config.dynamic_shapes == "backed" else 0)
         # Callers that inspect ``model.forward`` (transformers' generate() does) see the model's own
         # parameters when the compiled model is assigned to it.
         self.__signature__ = inspect.signature(types.MethodType(fn, module))
@@ -281,7 +282,7 @@ class CompiledModel:
                 return out
             self.backend = PiecewiseBackend(self.config, self.tag, call_signature=self._signature.describe(),
                                             preloaded=start.preloaded if start is not None else None)
-            with _marked_dynamic(self._signature.dynamic_tensors(args, kwargs)):
+            with _marked_dynamic(self._signature.dynamic_tensors(args, kwargs), unbacked=self.config.dynamic_shapes == "unbacked"):
                 cap = self._trace(args, kwargs)
             counters.bump("dynamo_traces", tag=self.tag)
             self._guards = cap.guard_manager
@@ -304,16 +305,23 @@ class CompiledModel:
     def _trace(self, args: tuple, kwargs: dict) -> Trace:
         import torch._dynamo.exc
         import torch.fx.experimental._config as fx_config
-        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, GuardOnDataDependentSymNode
 
         try:
             # Dims are dynamic only where dynamic_arg_dims says so: Dynamo's automatic dynamic
             # shapes would otherwise make a second trace of the same code (after a state change,
             # or another instance) dynamic in whatever differed from the first.
-            with fx_config.patch(backed_size_oblivious=True), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            oblivious = self.config.dynamic_shapes == "backed_size_oblivious"
+            with fx_config.patch(backed_size_oblivious=oblivious), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 return trace(self.module, args, kwargs, self.backend, full_guards=self.config.debug,
                                object_args=self._object_roots())
-        except (torch._dynamo.exc.UserError, ConstraintViolationError) as e:
+        except (torch._dynamo.exc.UserError, ConstraintViolationError, GuardOnDataDependentSymNode) as e:
+            if "data-dependent" in str(e):
+                raise CompileError(
+                    f"[{self.tag}] the trace met a branch on a size it cannot decide "
+                    f"({self.config.dynamic_shapes} dynamic shapes): {_caused_by(e)}. Make the code independent of the "
+                    "size there, or compile with dynamic_shapes='backed_size_oblivious' (the default)"
+                ) from e
             raise ConfigError(
                 f"[{self.tag}] tracing failed: {str(e).splitlines()[0]}. Usually an input dim is tied to a dim marked "
                 "dynamic but is not marked itself (add it to dynamic_arg_dims), or the model fixes a dim marked "
@@ -329,18 +337,31 @@ class CompiledModel:
         return f"CompiledModel({type(self.module).__name__}, tag={self.tag!r}, mode={self.config.mode!r}, backend={self.config.backend!r})"
 
 
+def _caused_by(e: BaseException) -> str:
+    """The source line Dynamo blames for a data-dependent guard (its "Caused by:" line), else the
+    error's first line."""
+    lines = str(e).splitlines()
+    for line in lines:
+        if line.startswith("Caused by:"):
+            return line[len("Caused by:"):].strip()
+    return lines[0] if lines else type(e).__name__
+
+
 _MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides", "_specialize_on",
-          "_has_dynamo_dim_marking")
+          "_has_dynamo_dim_marking", "_dynamo_unbacked_indices", "_dynamo_shape_ids", "_dynamo_unbacked_bounds")
 
 
 @contextlib.contextmanager
-def _marked_dynamic(pairs: list[tuple[torch.Tensor, int]]):
-    """Mark (tensor, dim) pairs dynamic for one trace, then take the marks off again: marks left on
-    a caller's tensor would make the next model's bundle guards refuse that tensor."""
-    unmarked = [t for t, _ in pairs if not hasattr(t, "_dynamo_dynamic_indices")]
+def _marked_dynamic(pairs: list[tuple[torch.Tensor, int]], unbacked: bool = False):
+    """Mark (tensor, dim) pairs dynamic (or unbacked) for one trace, then take the marks off again:
+    marks left on a caller's tensor would make the next model's bundle guards refuse that tensor."""
+    unmarked = [t for t, _ in pairs if not any(hasattr(t, m) for m in ("_dynamo_dynamic_indices", "_dynamo_unbacked_indices"))]
     try:
         for t, d in pairs:
-            torch._dynamo.mark_dynamic(t, d)
+            if unbacked:
+                torch._dynamo.decorators.mark_unbacked(t, d)
+            else:
+                torch._dynamo.mark_dynamic(t, d)
         yield
     finally:
         for t in unmarked:

@@ -28,7 +28,8 @@ from .compilers import CompiledPiece, CompilerAdaptor, get_adaptor
 from .compilers.inductor import dispatch_symbol
 from .config import CompilationConfig
 from .counters import counters
-from .compiled import CompiledForward, CompiledPlan, Load, Rebuild, Reuse, RunnerSpec, Step, StitchedForward, build_forward
+from .compiled import (CompiledForward, CompiledPlan, Load, Rebuild, Reuse, RunnerSpec, SizeRefusal, Step, StitchedForward,
+                       build_forward)
 from .errors import CompileError, ConfigError, RecompileError
 from .ops import op_exists, resolve_splitting_ops
 from .graphs.install import graph_plan as plan_graphs
@@ -225,14 +226,19 @@ class PiecewiseBackend:
             fake_outputs = _Propagate(split.split_module).run(*fake_inputs)
         progress.close()
         graph_plan = plan_graphs(fake_inputs, fake_outputs, symbol, self._mixing) if sym_index is not None else None
+        # under "backed" dynamic shapes sizes 0 and 1 are refused by the call signature already
+        lo = 2 if self.config.dynamic_shapes == "backed" else 1
+        refusal = size_refusal(fake_mode.shape_env, symbol, lo, self.config.max_num_tokens) if symbol is not None else None
+        if refusal is not None:
+            log.warning("[%s] %s", self.tag, refusal.reason)
         plan = None
         if all(s is not None for s in steps.values()):
             plan = CompiledPlan(
                 runners=tuple(specs), steps={fp: s for fp, s in steps.items() if s is not None}, sym_index=sym_index,
                 graph_plan=graph_plan, cache_key=self.cache.key if self.cache is not None else None,
                 cache_meta=self._cache_meta, traced_files=tuple(sorted(self.traced_files)),
-                splitting=tuple(it.index for it in split.items if it.is_splitting), device=device)
-        return build_forward(self.config, self.tag, split, table, specs, callables, sym_index, graph_plan, plan)
+                splitting=tuple(it.index for it in split.items if it.is_splitting), device=device, size_refusal=refusal)
+        return build_forward(self.config, self.tag, split, table, specs, callables, sym_index, graph_plan, plan, refusal)
 
     # -- warm start (piecewise.warmstart) -------------------------------------------------------
     def plan(self) -> CompiledPlan:
@@ -283,7 +289,7 @@ class PiecewiseBackend:
         counters.bump("splitting_pieces", n_split, tag=self.tag)
         counters.bump("pieces_compiled", len(split.items) - n_split, tag=self.tag)
         self.result = build_forward(self.config, self.tag, split, table, plan.runners, callables, plan.sym_index,
-                                    plan.graph_plan, plan)
+                                    plan.graph_plan, plan, plan.size_refusal)
         return self.result.stitched
 
     def _compile_piece(self, graph: torch.fx.GraphModule, args: Sequence[Any], table: EntryTable, symbol: Any,
@@ -363,6 +369,53 @@ def _fake_inputs(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     if fake_mode is None:
         fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
     return fake_mode, [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+
+def size_refusal(shape_env: Any, symbol: Any, lo: int, max_num_tokens: int) -> SizeRefusal | None:
+    """The token counts in ``[lo, max_num_tokens]`` for which a guard the trace placed on the token
+    count fails, or None when every guard holds for every count.
+
+    Dispatch is guard-free, so a Python branch on the size (``if x.shape[0] > 4``) is frozen to the
+    first call's side; the guard Dynamo recorded for it says which sizes that side is right for.
+    Guards on the token symbol alone are evaluated at every count (the range Dynamo inferred
+    first, then each guard); guards tying it to another symbol (two dims that must be equal) are
+    left to the ops, which fail loudly on a mismatch."""
+    import sympy
+
+    hi = max_num_tokens
+    vr = getattr(shape_env, "var_to_range", {}).get(symbol)
+    bad: set[int] = set()
+    where: list[str] = []
+    if vr is not None:
+        vlo, vhi = _bound(vr.lower, lo), _bound(vr.upper, hi)
+        out = [n for n in range(lo, hi + 1) if n < vlo or n > vhi]
+        if out:
+            bad.update(out)
+    for g in getattr(shape_env, "guards", ()):
+        expr = g.expr
+        if expr.free_symbols != {symbol}:
+            continue
+        try:
+            fails = [n for n in range(lo, hi + 1) if n not in bad and not bool(expr.xreplace({symbol: sympy.Integer(n)}))]
+        except TypeError as e:  # an expression sympy cannot decide for a number: keep the sizes, say why
+            log.debug("size guard %s not evaluated (%s)", expr, e)
+            continue
+        if fails or (bad and not where):
+            where.append(f"{expr} at {str(getattr(g, 'sloc', '?')).split(' (')[0].strip()}")
+        bad.update(fails)
+    if not bad:
+        return None
+    ok = [n for n in range(lo, hi + 1) if n not in bad]
+    span = f"{ok[0]}..{ok[-1]}" if ok and ok[-1] - ok[0] + 1 == len(ok) else f"{len(ok)} of them"
+    reason = (f"the traced code branches on the token count ({'; '.join(where) or 'a guard on its range'}), so it is right "
+              f"only for token counts {span} of {lo}..{max_num_tokens}; other counts are refused. Make forward independent "
+              "of the size there, or compile each size class as a model of its own (CompilationConfig(tag=...))")
+    return SizeRefusal(frozenset(bad), reason)
+
+
+def _bound(v: Any, default: int) -> int:
+    """An int bound of a value range, or `default` for an infinite one (torch's ``int_oo``)."""
+    return int(v) if getattr(v, "is_Integer", False) else default
 
 
 def _symbolic_entry_for(table: EntryTable, size: int) -> int:

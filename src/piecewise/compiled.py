@@ -24,7 +24,7 @@ from .graphs.install import GraphInstall, GraphPlan, install_graphs
 from .piece import DispatchState, EntryTable, PieceRunner
 from .split import SplitResult, fx_forward
 
-__all__ = ["Load", "Reuse", "Rebuild", "Step", "RunnerSpec", "CompiledPlan", "CompiledForward", "StitchedForward",
+__all__ = ["Load", "Reuse", "Rebuild", "Step", "RunnerSpec", "SizeRefusal", "CompiledPlan", "CompiledForward", "StitchedForward",
            "build_forward"]
 
 
@@ -62,6 +62,15 @@ class RunnerSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class SizeRefusal:
+    """Token counts the traced code is wrong for (a guard on the size failed for them) and why;
+    a call with one of them raises `InputError` instead of running (`backend.size_refusal`)."""
+
+    sizes: frozenset[int]
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class CompiledPlan:
     """How to rebuild a `CompiledForward` from the cache without tracing (see module doc).
 
@@ -75,6 +84,7 @@ class CompiledPlan:
         traced_files: source files Dynamo inlined.
         splitting: indices of the splitting pieces.
         device: device type of the graph's inputs.
+        size_refusal: token counts the traced code is wrong for (None: it holds for all).
     """
 
     runners: tuple[RunnerSpec, ...]
@@ -86,6 +96,7 @@ class CompiledPlan:
     traced_files: tuple[str, ...]
     splitting: tuple[int, ...]
     device: str
+    size_refusal: SizeRefusal | None = None
 
 
 class StitchedForward:
@@ -98,8 +109,9 @@ class StitchedForward:
     """
 
     def __init__(self, split_gm: torch.fx.GraphModule, table: EntryTable, state: DispatchState,
-                 sym_index: int | None, tag: str, max_num_tokens: int) -> None:
+                 sym_index: int | None, tag: str, max_num_tokens: int, refusal: SizeRefusal | None = None) -> None:
         self.forward = fx_forward(split_gm)
+        self.refusal = refusal
         self.split_gm = split_gm
         self.table = table
         self.state = state
@@ -109,6 +121,8 @@ class StitchedForward:
         self.graphs: Any = None  # a graphs.dispatch.GraphDispatcher when graphs are captured
 
     def __call__(self, *args: Any) -> Any:
+        if self.refusal is not None and args[self.sym_index] in self.refusal.sizes:
+            raise InputError(f"[{self.tag}] token count {args[self.sym_index]} refused: {self.refusal.reason}")
         if self.graphs is not None:
             return self.graphs(args)
         return self.run_plain(*args)
@@ -163,7 +177,7 @@ class CompiledForward:
 
 def build_forward(config: Any, tag: str, split: SplitResult, table: EntryTable, runners: Sequence[RunnerSpec],
                   callables: Mapping[str, list[Callable[..., Any]]], sym_index: int | None, graph_plan: GraphPlan | None,
-                  plan: CompiledPlan | None) -> CompiledForward:
+                  plan: CompiledPlan | None, refusal: SizeRefusal | None = None) -> CompiledForward:
     """Install `runners` (their callables by fingerprint, one per entry of `table`) and the eager
     splitting pieces in `split`'s module, wrap it for dispatch and graph capture. The one way a
     `CompiledForward` is made: after compiling (cold) and after loading (warm)."""
@@ -182,7 +196,7 @@ def build_forward(config: Any, tag: str, split: SplitResult, table: EntryTable, 
             split_gm.__dict__[item.name] = fx_forward(item.graph)
     for runner in built:
         split_gm.__dict__[runner.name] = runner
-    stitched = StitchedForward(split_gm, table, state, sym_index, tag, config.max_num_tokens)
+    stitched = StitchedForward(split_gm, table, state, sym_index, tag, config.max_num_tokens, refusal)
     graphs = install_graphs(config, tag, stitched, built, graph_plan) if graph_plan is not None else None
     if graphs is not None:
         stitched.graphs = graphs.dispatcher

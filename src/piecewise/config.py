@@ -22,6 +22,8 @@ __all__ = ["CompilationConfig", "CompileRange", "MODES", "CUDAGRAPH_MODES"]
 
 MODES = ("none", "full", "piecewise")
 CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
+#: how the trace treats dims marked dynamic (`CompilationConfig.dynamic_shapes`)
+DYNAMIC_SHAPES = ("backed_size_oblivious", "backed", "unbacked")
 
 #: Fields that change generated code and therefore enter the cache key (docs/design.md §5.2). The rest
 #: (cache_dir, tag, debug, ...) are cosmetic or locate the cache and must not split it.
@@ -32,6 +34,7 @@ CODE_FIELDS = (
     "compile_sizes",
     "compile_ranges",
     "max_num_tokens",
+    "dynamic_shapes",
     "inductor_options",
     "passes",
     "noop_elimination",
@@ -84,6 +87,20 @@ class CompilationConfig:
             calls raise `InputError` before running.
         cudagraph_mode / cudagraph_capture_sizes: graph capture (accelerators only; CPU resolves
             to ``"none"``).
+        cudagraph_num_warmups: eager runs of every piece at every capture size before its graph
+            is captured (>= 0; default 1, as vLLM). The first run of a kernel initialises lazy
+            state (library handles, autotuning, allocator growth) that must not happen inside a
+            capture; 0 captures on the first run. Not in the cache key (it changes no code).
+        dynamic_shapes: how the trace treats the dims in ``dynamic_arg_dims``; in the cache key.
+            ``"backed_size_oblivious"`` (default): a backed symbol with a hint, but size-oblivious
+            reasoning, so a first call of size 1 does not specialise the dim (branches on ``n ==
+            1`` take the general path) and no guard on 0/1 is added. ``"backed"``: Dynamo's plain
+            dynamic dims; sizes 0 and 1 are specialised, so the first call must have at least 2
+            there (refused with `InputError` otherwise) and code that branches on the size is
+            frozen to the first call's branch. ``"unbacked"``: the dim is a symbol with no hint
+            and no guards at all; any branch on the size (``if n > 1``, a data-dependent shape)
+            fails the trace with `CompileError` naming the line - the strictest check that the
+            graph is one graph for every size.
         cache_dir: root of the compile cache; ``None`` means ``PIECEWISE_CACHE_DIR`` or the
             platform's user cache dir.
         tag: the name of this compiled region (its own cache subdir and counters). ``None``
@@ -115,6 +132,8 @@ class CompilationConfig:
     compile_ranges: tuple[int, ...] = ()
     cudagraph_mode: str = "piecewise"
     cudagraph_capture_sizes: tuple[int, ...] | None = None
+    cudagraph_num_warmups: int = 1
+    dynamic_shapes: str = "backed_size_oblivious"
     max_num_tokens: int = 512
     cache_dir: str | None = None
     tag: str | None = None
@@ -134,6 +153,11 @@ class CompilationConfig:
             raise ConfigError(f"backend={self.backend!r} must be an adaptor name such as 'inductor' or 'eager'")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ConfigError(f"cudagraph_mode={self.cudagraph_mode!r} is not one of {CUDAGRAPH_MODES}")
+        if self.dynamic_shapes not in DYNAMIC_SHAPES:
+            raise ConfigError(f"dynamic_shapes={self.dynamic_shapes!r} is not one of {DYNAMIC_SHAPES}")
+        w = self.cudagraph_num_warmups
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ConfigError(f"cudagraph_num_warmups={w!r} must be an integer >= 0 (eager runs before each capture)")
         for name in ("max_num_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -102,11 +102,13 @@ class CallSignature:
     """Records the first call's arguments; `check` validates later calls against them."""
 
     def __init__(self, params: Sequence[inspect.Parameter], dynamic: Mapping[str, tuple[int, ...]], tag: str,
-                 max_num_tokens: int) -> None:
+                 max_num_tokens: int, min_dynamic_size: int = 0) -> None:
         self.params = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         self.dynamic = dynamic
         self.tag = tag
         self.max_num_tokens = max_num_tokens
+        #: the smallest size a dynamic dim may have (2 under ``dynamic_shapes="backed"``)
+        self.min_dynamic_size = min_dynamic_size
         self.specs: list[ArgSpec] = []
         self.alias_groups: list[tuple[int, ...]] = []  # spec indices that were one tensor object
         self.required = 0  # specs that must be passed (not left at a default)
@@ -216,6 +218,11 @@ class CallSignature:
                 if shape[d] > self.max_num_tokens:
                     raise InputError(f"[{self.tag}] {name!r} dim {d} is {shape[d]}, above max_num_tokens={self.max_num_tokens}; "
                                      "split the batch or raise max_num_tokens")
+                if shape[d] < self.min_dynamic_size:
+                    raise InputError(
+                        f"[{self.tag}] {name!r} dim {d} is {shape[d]}, below {self.min_dynamic_size}: under "
+                        "dynamic_shapes='backed' Dynamo specialises sizes 0 and 1, so the compiled code holds for sizes "
+                        ">= 2 only. Pad the call to 2, or compile with dynamic_shapes='backed_size_oblivious'")
             elif shape[d] != s:
                 raise InputError(f"[{self.tag}] {name!r} has shape {tuple(shape)}, compiled for {_fmt(t.shape)}; dim {d} "
                                  "is static. Mark it in dynamic_arg_dims or pass the traced size")

@@ -76,7 +76,7 @@ __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fing
 log = logging.getLogger("piecewise")
 
 #: Bump when the bundle's layout or meaning changes: old bundles then miss (different start key).
-BUNDLE_FORMAT = 4
+BUNDLE_FORMAT = 5
 #: The artifact name of the bundle inside its entry.
 BUNDLE = "bundle"
 

@@ -442,3 +442,27 @@ def test_warm_start_from_a_bundle_captures_and_replays_like_a_traced_model(tmp_p
                 x = torch.randn(n, 16, generator=gen)
                 torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
         assert counters.by_tag[cm.tag].eager_above_capture == 16
+
+
+@pytest.mark.parametrize("warmups", [0, 1, 3])
+def test_cudagraph_num_warmups_eager_runs_before_each_capture(warmups):
+    """Every piece runs eagerly `cudagraph_num_warmups` times at each capture size, then captures;
+    results equal eager whatever the count (0: capture on the first run)."""
+    model = ToyTransformer(num_layers=2, dim=16)
+    with fake_cpu_platform() as plat:
+        cm = _compile(model, cudagraph_num_warmups=warmups, cudagraph_capture_sizes=[4, 8])
+        gen = torch.Generator().manual_seed(1)
+        with counters.expect(graphs_captured=3 * 2, recompiles=0):
+            for n in (3, 8, 1, 5):
+                x = torch.randn(n, 16, generator=gen)
+                torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+        assert sorted(set(plat.captured_sizes)) == [4, 8]
+        for w in cm.backend.stitched_wrappers:
+            assert {s: (e.phase, e.warmups_done) for s, e in w.entries.items()} == {
+                4: (Phase.CAPTURED, warmups), 8: (Phase.CAPTURED, warmups)}
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_cudagraph_num_warmups_is_validated(bad):
+    with pytest.raises(pw.ConfigError, match="cudagraph_num_warmups"):
+        CompilationConfig(cudagraph_num_warmups=bad)

@@ -189,7 +189,7 @@ def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[
 
     sizes = config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_tokens)
     sizes, _dropped = validate_capture_sizes(sizes, config.max_num_tokens)
-    pool = GraphPool(platform, debug=config.debug, tag=tag)
+    pool = GraphPool(platform, num_warmups=config.cudagraph_num_warmups, debug=config.debug, tag=tag)
     wrappers: list[PieceGraphWrapper] = []
     if mode in ("piecewise", "full_and_piecewise"):
         for i, r in enumerate(runners):

@@ -1,0 +1,117 @@
+"""The three dynamic-shape modes (`CompilationConfig.dynamic_shapes`) on the reference decoder and a
+transformers model: each equals eager at every size it accepts, with one trace and no recompile;
+``backed`` refuses sizes below 2 before running; ``unbacked`` refuses a branch on the size."""
+
+import pytest
+import torch
+
+import piecewise as pw
+from piecewise import CompilationConfig, counters
+from piecewise.errors import CompileError, ConfigError, InputError
+from piecewise.models import LlamaConfig, LlamaForCausalLM, hf
+from piecewise.tags import scoped_tags
+
+MODES = ["backed_size_oblivious", "backed", "unbacked"]
+LLAMA_DIMS = {"input_ids": 0, "positions": 0, "seq_ids": 0}
+
+
+def _sizes(mode):
+    # the first call decides the trace: size 1 where the mode allows it (the case that specialises)
+    return [2, 1, 9, 31, 5] if mode == "backed" else [1, 2, 9, 31, 5]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reference_decoder_equals_eager_in_every_mode(mode):
+    cfg = LlamaConfig(num_layers=2)
+    model = LlamaForCausalLM(cfg, seed=1)
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=32, dynamic_shapes=mode),
+                    dynamic_arg_dims=LLAMA_DIMS)
+    gen = torch.Generator().manual_seed(0)
+    with counters.expect(recompiles=0, dynamo_traces=1):
+        for n in _sizes(mode):
+            ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+            pos = torch.randint(0, cfg.max_seq_len, (n,), generator=gen)
+            seq = torch.randint(0, cfg.max_num_seqs, (n,), generator=gen)
+            if mode == "backed" and n < 2:
+                with pytest.raises(InputError, match="dynamic_shapes='backed'"):
+                    cm(ids, pos, seq)
+                continue
+            model.reset_kv_cache()
+            got = cm(ids, pos, seq)
+            model.reset_kv_cache()
+            torch.testing.assert_close(got, model(ids, pos, seq), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["backed_size_oblivious", "backed"])
+def test_transformers_llama_equals_eager_in_the_backed_modes(mode):
+    hf.register_hf_attention()
+    model = hf.tiny_llama(num_layers=2)
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64, dynamic_shapes=mode),
+                    dynamic_arg_dims={"input_ids": 1})
+    gen = torch.Generator().manual_seed(0)
+    with counters.expect(recompiles=0, dynamo_traces=1):
+        for n in _sizes(mode):
+            ids = torch.randint(0, 256, (1, n), generator=gen)
+            if mode == "backed" and n < 2:
+                with pytest.raises(InputError, match="below 2"):
+                    cm(input_ids=ids)
+                continue
+            torch.testing.assert_close(cm(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_llama_under_unbacked_is_refused_naming_the_line():
+    """transformers' mask code (``torch.diff`` over position ids in masking_utils) guards on the
+    sequence length, which an unbacked size cannot answer: a typed error names that line."""
+    hf.register_hf_attention()
+    model = hf.tiny_llama(num_layers=2)
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64, dynamic_shapes="unbacked"),
+                    dynamic_arg_dims={"input_ids": 1})
+    with pytest.raises(CompileError, match=r"unbacked dynamic shapes\): .*masking_utils"):
+        cm(input_ids=torch.randint(0, 256, (1, 5)))
+
+
+class _BranchOnSize(torch.nn.Module):
+    def forward(self, x):
+        if x.shape[0] > 4:  # a Python branch on the dynamic size
+            return x * 2
+        return x + 1
+
+
+def test_unbacked_refuses_a_branch_on_the_size_at_trace_time():
+    cm = pw.compile(_BranchOnSize(), CompilationConfig(backend="eager", dynamic_shapes="unbacked", mode="full"),
+                    dynamic_arg_dims={"x": 0})
+    with pytest.raises(CompileError, match=r"unbacked dynamic shapes\): .*x.shape\[0\] > 4"):
+        cm(torch.randn(6, 3))
+
+
+@pytest.mark.parametrize("mode", ["backed_size_oblivious", "backed"])
+def test_a_branch_on_the_size_is_refused_for_the_sizes_its_guard_excludes(mode, tmp_path, caplog):
+    """Dispatch skips Dynamo's guards, so the traced branch (x * 2, for sizes > 4) would run for
+    every size: the guard Dynamo recorded is evaluated at compile time instead and the sizes it
+    excludes raise `InputError`; a warm start from the bundle refuses them too."""
+    cfg = CompilationConfig(backend="eager", mode="full", max_num_tokens=16, dynamic_shapes=mode, cache_dir=str(tmp_path),
+                            tag="branch")
+    cm = pw.compile(_BranchOnSize(), cfg, dynamic_arg_dims={"x": 0})
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(cm(x), x * 2)
+    assert "branches on the token count" in caplog.text and "5..16" in caplog.text
+    for n in (5, 16):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(cm(x), x * 2)
+    for n in (2, 4):
+        with pytest.raises(InputError, match=r"token count \d refused: .*x.shape\[0\] > 4.*5..16"):
+            cm(torch.randn(n, 3))
+    torch._dynamo.reset()
+    with scoped_tags():  # the first model still holds its tag: the second gets the same one (and its bundle)
+        warm = pw.compile(_BranchOnSize(), cfg, dynamic_arg_dims={"x": 0})
+    with counters.expect(bundle_hits=1, dynamo_traces=0):
+        torch.testing.assert_close(warm(x), x * 2)
+    with pytest.raises(InputError, match="refused"):
+        warm(torch.randn(3, 3))
+
+
+def test_the_mode_is_validated_and_in_the_cache_key():
+    with pytest.raises(ConfigError, match="dynamic_shapes"):
+        CompilationConfig(dynamic_shapes="oblivious")
+    keys = {CompilationConfig(dynamic_shapes=m).code_factors()["dynamic_shapes"] for m in MODES}
+    assert keys == set(MODES)
