@@ -398,7 +398,7 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[
     from torch._guards import TracingContext
 
     fn = type(module).forward
-    with get_metrics_context(), dynamo_timed("piecewise_capture"), torch_function_mode_stack_state_mgr:
+    with get_metrics_context(), dynamo_timed("piecewise_trace"), torch_function_mode_stack_state_mgr:
         # The class's forward bound to the module, not ``module.forward``: that may be the compiled
         # model itself (``model.forward = piecewise.compile(model)``, the usual torch.compile idiom).
         out = convert_frame.fullgraph_capture(types.MethodType(fn, module), args, kwargs)

@@ -72,7 +72,7 @@ def compile_phase(system: str, fn) -> tuple[float, str]:
       Inductor or its cache, guards) - the first call's execution is outside it.
     * ``piecewise-*``: `CompiledModel.timings`: ``bundle_load`` (warm start from the bundle: key,
       decode, guards, artifact loads; or the failed lookup before a trace) plus the Dynamo trace with
-      split and piece compiles (Dynamo's timer ``piecewise_capture``, which holds ``split``,
+      split and piece compiles (Dynamo's timer ``piecewise_trace``, which holds ``split``,
       ``compile`` and ``cache_load``). Saving the bundle and the first execution are outside it.
     * ``eager``: 0 (nothing is compiled).
     """
@@ -84,10 +84,10 @@ def compile_phase(system: str, fn) -> tuple[float, str]:
             raise RuntimeError("torch._dynamo recorded no '_compile.compile_inner' time for the full-graph compile")
         return s, "dynamo _compile.compile_inner"
     t = fn.timings
-    capture = _dynamo_seconds("piecewise_capture") or 0.0
-    if capture == 0.0 and t.get("dynamo", 0.0) > 0.0:  # a trace happened but Dynamo's timer did not record it
-        raise RuntimeError("torch._dynamo recorded no 'piecewise_capture' time for a traced first call")
-    return t.get("bundle_load", 0.0) + capture, "timings bundle_load + dynamo piecewise_capture"
+    traced = _dynamo_seconds("piecewise_trace") or 0.0
+    if traced == 0.0 and t.get("dynamo", 0.0) > 0.0:  # a trace happened but Dynamo's timer did not record it
+        raise RuntimeError("torch._dynamo recorded no 'piecewise_trace' time for a traced first call")
+    return t.get("bundle_load", 0.0) + traced, "timings bundle_load + dynamo piecewise_trace"
 
 
 def dispatch_overhead(layers: int = 16, calls: int = 3000) -> dict:
