@@ -33,6 +33,10 @@ def test_worker_measures_and_counts_no_recompiles():
 
     res["dispatch"] = dispatch_overhead(layers=2, calls=200)
     assert res["dispatch"]["pieces"] == 5 and res["dispatch"]["us_per_piece"] < 1000
+    from piecewise.bench.worker import replay_overhead
+
+    res["replay"] = replay_overhead(layers=2, calls=200)
+    assert res["replay"]["pieces"] == 3 and 0 < res["replay"]["us_per_piece"] < 1000
     res["padding"] = padding_waste_report(max_size=64)
     assert res["padding"]["planned"]["pad_rows"] <= res["padding"]["default"]["pad_rows"]
     res["summary"] = summarize(res, BenchConfig(layers=(1,), batches=(1, 4)))
@@ -40,6 +44,7 @@ def test_worker_measures_and_counts_no_recompiles():
     assert abs(d["us_per_piece"]["value"] - (pw["latency"]["4"]["median_us"] - eager["latency"]["4"]["median_us"]) / 3) < 1e-6
     md = to_markdown(res)
     assert "| 4 |" in md and "Dispatch overhead per piece" in md and "| planned |" in md and "traced" in md
+    assert f"**{res['replay']['us_per_piece']:.2f} us per piece**" in md
     runs = [{"compile_s": c, "first_output_s": c + 1} for c in (3.0, 1.0, 2.0)]
     assert _median_run(runs)["compile_s"] == 2.0 and _median_run(runs)["compile_s_runs"] == [3.0, 1.0, 2.0]
     assert _median_run(runs)["first_output_s_runs"] == [4.0, 2.0, 3.0]

@@ -31,11 +31,13 @@ def test_warmup_capture_replay_counts_and_equality_every_size():
         for w in wrappers:
             assert {s: e.phase for s, e in w.entries.items()} == {4: Phase.CAPTURED, 8: Phase.CAPTURED, 16: Phase.CAPTURED}
             assert all(e.warmups_done == 1 for e in w.entries.values())
-        with counters.expect(graphs_captured=0, recompiles=0):
+        # sizes 1..16 replay all 4 pieces (counted once per forward, exactly); 17..32 run without graphs
+        with counters.expect(graphs_captured=0, recompiles=0, graph_replays=16 * 4):
             for n in range(1, 33):
                 x = torch.randn(n, 16, generator=gen)
                 torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
         assert counters.by_tag[cm.tag].eager_above_capture == 16  # sizes 17..32
+        assert counters.by_tag[cm.tag].graph_replays == counters.graph_replays
 
 
 def test_pad_rows_zero_and_forward_context_has_real_and_padded_counts():

@@ -32,6 +32,7 @@ __all__ = ["BenchConfig", "run_bench", "TARGETS"]
 TARGETS = {
     "steady_vs_full": 1.05,  # piecewise step latency <= 1.05x full graph at every batch size
     "dispatch_us_per_piece": 5.0,
+    "replay_us_per_piece": 3.0,  # issue 15: Python cost of a captured piece's replay path
     "cold_compile_vs_full_at_max_layers": 0.6,
     "warm_compile_vs_full_warm": 0.25,
     "recompiles": 0,
@@ -180,6 +181,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
             res["steady"][system] = _median_latency(runs[system])
         res["dispatch"] = _worker(["--system", "dispatch"], {"PIECEWISE_CACHE_DIR": os.path.join(tmp, "pw-dispatch")})
         log(f"  dispatch: {res['dispatch']['us_per_piece']:.2f} us per piece")
+        res["replay"] = _worker(["--system", "replay"], {"PIECEWISE_CACHE_DIR": os.path.join(tmp, "pw-replay")})
+        log(f"  replay path: {res['replay']['us_per_piece']:.2f} us per piece")
     res["machine"]["load_end"] = _load()
     res["padding"] = padding_waste_report()
     res["summary"] = summarize(res, cfg)
@@ -334,6 +337,12 @@ def to_markdown(res: dict[str, Any]) -> str:
                 f"piece**. Whole toy model of width 4 at 1 token ({d['layers']} layers = {d['pieces']} pieces, compute "
                 f"negligible): eager {d['eager_us']:.0f} us, piecewise-eager {d['piecewise_eager_us']:.0f} us per call "
                 f"({d['model_delta_us_per_piece']:+.1f} us per piece: generated code skips nn.Module calls)."]
+    r = res.get("replay")
+    if r:
+        out += ["", f"Graph-replay path per piece (target <= {t.get('replay_us_per_piece', TARGETS['replay_us_per_piece'])} us): a captured piece's wrapper "
+                "against its graph's replay() called directly, on a graph platform whose replay does nothing (the CPU "
+                f"has no graphs), interleaved, one process: **{r['us_per_piece']:.2f} us per piece** (p90 "
+                f"{r['p90_us_per_piece']:.2f} us; {r['pieces']} compiled pieces of a {r['layers']}-layer toy model)."]
     out += ["", "Same difference on the decoder above ((piecewise-eager - eager) / pieces; noisy, compute-dominated): "
             + ", ".join(f"batch {d['batch']}: {fmt_spread(d['us_per_piece'], 1)} us ({d['pieces']} pieces)" for d in s["dispatch"]),
             "", f"Recompiles across {cfg['sizes']} distinct sizes (target {t['recompiles']}): "

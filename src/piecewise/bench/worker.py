@@ -136,9 +136,77 @@ def dispatch_overhead(layers: int = 16, calls: int = 3000) -> dict:
             "us_per_piece": (statistics.median(tr) - statistics.median(td)) * 1e6}
 
 
+def replay_overhead(layers: int = 16, calls: int = 3000) -> dict:
+    """Python cost of the graph-replay path per piece, on the CPU: a graph platform whose replay
+    does nothing (so what is timed is piecewise's own work: forward-context lookup, entry lookup,
+    the address check's fast path, copies of non-stable inputs, the replay count), a toy
+    transformer of width 4 at one token. A captured piece's wrapper is timed against calling its
+    graph's ``replay()`` directly, interleaved; medians of per-call times. Issue 15's target for
+    this figure is 3 us a piece."""
+    import piecewise as pw
+    from piecewise.forward_context import BatchDescriptor, ForwardContext, RuntimeMode, enter_forward, exit_forward
+    from piecewise.graphs.platform import GraphPlatform, register_platform
+    from piecewise.models.toy import ToyTransformer
+
+    class _NullGraph:
+        def replay(self) -> None:
+            pass
+
+    class _NullPlatform(GraphPlatform):
+        name = "null"
+
+        def new_graph(self):
+            return _NullGraph()
+
+        def new_pool(self):
+            return object()
+
+        def capture(self, graph, pool, fn, args, *, flush):
+            return fn(*args)
+
+        def synchronize(self) -> None:
+            pass
+
+        def memory_allocated(self) -> int:
+            return 0
+
+    with register_platform("cpu", _NullPlatform):
+        model = ToyTransformer(num_layers=layers, dim=4)
+        cm = pw.compile(model, pw.CompilationConfig(backend="eager", max_num_tokens=8, cudagraph_capture_sizes=[1],
+                                                    tag="bench_replay"), dynamic_arg_dims={"x": 0})
+        x = torch.randn(1, 4)
+        cm(x)
+        cm(x)  # captured: every compiled piece now replays
+        wrapper = cm.backend.stitched_wrappers[1]
+        seen: list[tuple] = []
+        split_gm = cm.backend.split.split_module
+        split_gm.__dict__[wrapper.name] = lambda *a: (seen.append(a), wrapper(*a))[1]
+        cm(x)
+        split_gm.__dict__[wrapper.name] = wrapper
+        args, graph = seen[0], wrapper.entries[1].graph
+        tw, tg = [], []
+        token = enter_forward(ForwardContext(1, 1, RuntimeMode.PIECEWISE, BatchDescriptor(1), "bench_replay"))
+        try:
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                wrapper(*args)
+                t1 = time.perf_counter()
+                graph.replay()
+                t2 = time.perf_counter()
+                tw.append(t1 - t0)
+                tg.append(t2 - t1)
+        finally:
+            exit_forward(token)
+            wrapper.runner.flush_replays()
+    return {"system": "replay", "layers": layers, "pieces": len(cm.backend.runners),
+            "us_per_piece": (statistics.median(tw) - statistics.median(tg)) * 1e6,
+            "p90_us_per_piece": (sorted(tw)[int(0.9 * calls)] - statistics.median(tg)) * 1e6}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--system", required=True, choices=["eager", "full", "piecewise-inductor", "piecewise-eager", "dispatch"])
+    ap.add_argument("--system", required=True, choices=["eager", "full", "piecewise-inductor", "piecewise-eager", "dispatch",
+                                                        "replay"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--steps", type=int, default=0, help="steady-state steps per batch size (0: skip)")
@@ -147,6 +215,9 @@ def main() -> int:
     torch.set_grad_enabled(False)
     if args.system == "dispatch":
         print(json.dumps(dispatch_overhead()))
+        return 0
+    if args.system == "replay":
+        print(json.dumps(replay_overhead()))
         return 0
     gen = torch.Generator().manual_seed(0)
     cfg, model = _model(args.layers)

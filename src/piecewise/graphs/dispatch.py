@@ -174,6 +174,7 @@ class GraphDispatcher:
             out = self.full(*padded_args) if mode is RuntimeMode.FULL else self.forward(*padded_args)
         finally:
             exit_forward(token)
+            self.runner.flush_replays()
         return self._slice(out, n)
 
     def _fill(self, args: tuple[Any, ...], n: int, padded: int) -> list[Any]:

@@ -80,6 +80,7 @@ class SubBatchReplay:
             out = self.wrapper(*rows)
         finally:
             exit_forward(token)
+            self.wrapper.runner.flush_replays()
         if isinstance(out, (tuple, list)):
             return type(out)(o.narrow(0, 0, n) for o in out)
         return out.narrow(0, 0, n)

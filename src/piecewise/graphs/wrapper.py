@@ -81,6 +81,15 @@ class GraphPool:
         self.pool_bytes: dict[int, int] = {}
         self.stable_ptrs: set[int] = set()
         self.on_size_failed: Callable[[int], None] | None = None
+        #: replays since the last `flush_replays` (a plain int per replay; the shared, locked
+        #: counters are bumped once per forward instead of once per piece)
+        self.replays = 0
+
+    def flush_replays(self) -> None:
+        """Add the replays of the forward that just ran to ``counters.graph_replays``."""
+        if self.replays:
+            n, self.replays = self.replays, 0
+            counters.bump("graph_replays", n, tag=self.tag)
 
     def fail_size(self, size: int, why: str) -> None:
         if size in self.failed_sizes:
@@ -130,7 +139,7 @@ class PieceGraphWrapper:
             for i, buf in entry.copied:
                 buf.copy_(args[i])
             entry.graph.replay()
-            counters.bump("graph_replays", tag=self.runner.tag)
+            self.runner.replays += 1
             return entry.output
         if entry.phase is Phase.FAILED or size in self.runner.failed_sizes:
             entry.phase = Phase.FAILED
