@@ -432,10 +432,9 @@ class WarmStart:
     None when no bundle can be used or saved at all (cache disabled, mode ``none``).
     """
 
-    def __init__(self, model: StartSubject, root: str, key: str, factors: dict[str, Any]) -> None:
-
-        self.subject = model
-        self.tag = model.tag
+    def __init__(self, subject: StartSubject, root: str, key: str, factors: dict[str, Any]) -> None:
+        self.subject = subject
+        self.tag = subject.tag
         self.root = root
         self.key = key
         self.rank = current_rank()
@@ -454,19 +453,19 @@ class WarmStart:
         self.preloaded: dict[str, Any] = {}
 
     @classmethod
-    def open(cls, model: StartSubject, args: tuple, kwargs: dict) -> WarmStart | None:
+    def open(cls, subject: StartSubject, args: tuple, kwargs: dict) -> WarmStart | None:
         import time
 
 
-        config = model.config
+        config = subject.config
         root = resolve_root(config.cache_dir)
         if root is None or config.mode == "none" or env_flag("PIECEWISE_DISABLE_BUNDLE"):
             return None
         t0 = time.perf_counter()
-        call = list(model.call_signature)
-        backend = PiecewiseBackend(config, model.tag, call_signature=call)
-        factors = start_factors(backend, model.module, call)
-        start = cls(model, root, start_key(factors), factors)
+        call = list(subject.call_signature)
+        backend = PiecewiseBackend(config, subject.tag, call_signature=call)
+        factors = start_factors(backend, subject.module, call)
+        start = cls(subject, root, start_key(factors), factors)
         start.phases["key"] = time.perf_counter() - t0
         if config.debug:
             return start  # debug mode always traces: it checks the full guards, identity guards included
@@ -480,12 +479,12 @@ class WarmStart:
         start.preloaded = backend.preloaded
         if why:
             start.entry = None
-            counters.bump("bundle_misses", tag=model.tag)
-            log.info("[%s] no warm start: %s; tracing", model.tag, why)
-            miss_reasons[model.tag] = why
+            counters.bump("bundle_misses", tag=subject.tag)
+            log.info("[%s] no warm start: %s; tracing", subject.tag, why)
+            miss_reasons[subject.tag] = why
         else:
-            counters.bump("bundle_hits", tag=model.tag)
-            miss_reasons.pop(model.tag, None)
+            counters.bump("bundle_hits", tag=subject.tag)
+            miss_reasons.pop(subject.tag, None)
         return start
 
     def _candidates(self) -> list[Any]:

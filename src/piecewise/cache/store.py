@@ -169,18 +169,10 @@ def check_permissions(root: str, path: str) -> str | None:
     return None
 
 
-def _canonical(obj: Any) -> bytes:
-    return canonical_json(obj)
-
-
-def _checksum(body: Mapping[str, Any]) -> str:
-    return data_digest(body)
-
-
 def encode_index(body: Mapping[str, Any]) -> bytes:
     """Index bytes: compact canonical JSON (no insignificant whitespace, so any flipped byte changes
     content) with a sha256 of everything else in ``checksum``."""
-    return _canonical({**body, "checksum": _checksum(body)})
+    return canonical_json({**body, "checksum": data_digest(body)})
 
 
 class CacheIndexError(CacheError):
@@ -203,7 +195,7 @@ def read_index(path: str) -> dict[str, Any]:
     if not isinstance(idx, dict) or idx.get("format") != INDEX_FORMAT or idx.get("key_format") != KEY_FORMAT:
         raise CacheIndexError(f"unknown index format {idx.get('format') if isinstance(idx, dict) else type(idx).__name__}")
     body = {k: v for k, v in idx.items() if k != "checksum"}
-    if idx.get("checksum") != _checksum(body):
+    if idx.get("checksum") != data_digest(body):
         raise CacheIndexError("index checksum mismatch")
     arts = idx.get("artifacts")
     if not isinstance(arts, dict) or not isinstance(idx.get("meta"), dict) or not isinstance(idx.get("key"), str):
@@ -257,7 +249,7 @@ class CacheEntry:
         except OSError as e:
             report_once(f"read:{self.path}", f"piecewise cache: cannot read {self.path} ({e}); compiling")
             return False
-        if idx["key"] != self.key or (meta is not None and idx.get("meta") != json.loads(_canonical(dict(meta)))):
+        if idx["key"] != self.key or (meta is not None and idx.get("meta") != json.loads(canonical_json(dict(meta)))):
             log.info("[%s] cache entry %s was built for another graph (piece count or signature differ); recompiling",
                      self.tag, self.rel)
             return False
@@ -356,7 +348,7 @@ class CacheEntry:
                 merged: dict[str, Any] = {}
                 try:
                     old = read_index(os.path.join(self.path, INDEX))
-                    if old["key"] == self.key and old["meta"] == json.loads(_canonical(dict(meta))):
+                    if old["key"] == self.key and old["meta"] == json.loads(canonical_json(dict(meta))):
                         merged.update(old["artifacts"])
                 except (OSError, CacheIndexError):
                     pass
@@ -367,7 +359,7 @@ class CacheEntry:
                 merged = {k: v for k, v in merged.items() if os.path.isfile(os.path.join(self.root, *v["file"].split("/")))}
                 idx = {"format": INDEX_FORMAT, "key_format": KEY_FORMAT, "key": self.key, "tag": self.tag,
                        "meta": dict(meta), "created": time.time(), "artifacts": dict(sorted(merged.items()))}
-                atomic_write(os.path.join(self.path, INDEX), encode_index(json.loads(_canonical(idx))))
+                atomic_write(os.path.join(self.path, INDEX), encode_index(json.loads(canonical_json(idx))))
         except OSError as e:
             self._disable_writes(e)
         except filelock.Timeout as e:  # pragma: no cover - FileLock has no timeout by default
