@@ -282,6 +282,7 @@ class CompiledModel:
                 return out
             self.backend = PiecewiseBackend(self.config, self.tag, call_signature=self._signature.describe(),
                                             preloaded=start.preloaded if start is not None else None)
+            self.backend.prepare([*args, *kwargs.values()])
             with _marked_dynamic(self._signature.dynamic_tensors(args, kwargs), unbacked=self.config.dynamic_shapes == "unbacked"):
                 cap = self._trace(args, kwargs)
             counters.bump("dynamo_traces", tag=self.tag)

@@ -98,6 +98,12 @@ class PiecewiseBackend:
         """Per-piece graph wrappers, in piece order ([] without piecewise graphs)."""
         return self.result.graphs.wrappers if self.result is not None and self.result.graphs is not None else []
 
+    def prepare(self, example_inputs: Sequence[Any]) -> None:
+        """Let the adaptor start its per-process setup for the inputs' device (the CPU ISA probe
+        of Inductor) before the trace, so it overlaps tracing; see `CompilerAdaptor.prepare`."""
+        device = next((x.device.type for x in example_inputs if isinstance(x, torch.Tensor)), "cpu")
+        self.adaptor.prepare(device, resolve_root(self.config.cache_dir))
+
     # -- phases -------------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if self.result is not None:
@@ -108,6 +114,7 @@ class PiecewiseBackend:
                 "compile the variant under another tag"
             )
         counters.bump("graphs_seen", tag=self.tag)
+        self.prepare(example_inputs)  # already done before the trace by piecewise.compile; cheap again
         self.traced_files = traced_source_files()
         graph_hash = hashlib.sha256(gm.code.encode()).hexdigest()  # before splitting rewrites the graph
         self._mixing = self._token_mixing(gm, example_inputs)

@@ -522,7 +522,7 @@ class WarmStart:
         lap = _Laps(self.phases)
         reasons = []
         for entry in candidates:
-            backend.adaptor.prepare_load(entry.index["meta"].get("device", "cpu"), entry.root)
+            backend.adaptor.prepare(entry.index["meta"].get("device", "cpu"), entry.root)
             lap("prepare")
             try:
                 why, body, cap = self._check(entry, args, kwargs, lap)

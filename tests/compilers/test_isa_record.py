@@ -92,3 +92,59 @@ def test_a_cold_start_with_inductor_records_the_probe_for_the_first_warm_start(t
     cm(torch.randn(3, 8))
     r = _run(root, "use")
     assert r["used"] and r["probes"] == []
+
+
+EARLY = r'''
+import json, sys, threading
+import torch
+import piecewise as pw
+from piecewise import backend as B
+from piecewise.compilers import isa_record as I
+from piecewise.models.toy import ToyTransformer
+
+events = []
+orig_start, orig_call = I.start_probe, B.PiecewiseBackend.__call__
+def start_probe(root):
+    orig_start(root)
+    events.append(("start_probe", I._probe_thread is not None))
+def call(self, gm, example_inputs):
+    events.append(("backend", I._probe_thread is not None and I._probe_thread.is_alive()))
+    return orig_call(self, gm, example_inputs)
+I.start_probe, B.PiecewiseBackend.__call__ = start_probe, call
+patches = json.loads(sys.argv[2])
+cm = pw.compile(ToyTransformer(1, dim=8), pw.CompilationConfig(backend="inductor", cache_dir=sys.argv[1],
+                inductor_options=patches), dynamic_arg_dims={"x": 0})
+x = torch.randn(3, 8)
+ok = torch.allclose(cm(x), cm.module(x), rtol=1.3e-6, atol=1e-5)
+print(json.dumps({"events": events, "equal": ok}))
+'''
+
+
+def _early(root, patches):
+    p = subprocess.run([sys.executable, "-c", EARLY, str(root), json.dumps(patches)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_a_cold_compile_starts_the_probe_before_the_trace_and_records_it(tmp_path):
+    root = tmp_path / "early"
+    r = _early(root, {})
+    assert r["equal"]
+    # the probe thread was started by piecewise.compile's first call, before Dynamo handed the graph over
+    assert r["events"][0] == ["start_probe", True]
+    assert [e[0] for e in r["events"]].index("backend") > 0
+    assert os.path.exists(_record(root))  # saved by the background probe itself
+    # the next process finds the record and starts no probe thread
+    again = _early(root, {})
+    assert again["events"][0] == ["start_probe", False] and again["equal"]
+
+
+def test_isa_settings_in_the_inductor_options_keep_the_probe_inside_the_compile(tmp_path):
+    from piecewise.compilers.inductor import _patches_isa
+
+    assert _patches_isa({"cpp.vec_isa_ok": False}) and _patches_isa({"cpp": {"simdlen": 256}})
+    assert not _patches_isa({"max_autotune": False, "cpp": {"threads": 1}})
+    r = _early(tmp_path / "patched", {"cpp.vec_isa_ok": False})
+    assert r["equal"]
+    assert "start_probe" not in [e[0] for e in r["events"]]

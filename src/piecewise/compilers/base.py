@@ -47,14 +47,15 @@ class CompilerAdaptor(abc.ABC):
         self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget
     ) -> CompiledPiece: ...
 
-    def prepare_load(self, device: str, root: str | None = None) -> None:
-        """Called once before a warm start loads artifacts for `device`: a chance to start
-        per-process setup in the background, or to reuse what an earlier process recorded under
-        the cache `root` (None: no cache). Default: nothing."""
+    def prepare(self, device: str, root: str | None = None) -> None:
+        """Called before this process compiles or loads pieces for `device` (before the Dynamo
+        trace of a cold start, before the artifact loads of a warm start; more than once is fine):
+        a chance to start per-process setup in the background, or to reuse what an earlier process
+        recorded under the cache `root` (None: no cache). Default: nothing."""
 
     def record_for_load(self, root: str) -> None:
         """Called after a cold start saved its warm-start bundle under the cache `root`: record
-        what this process learned that `prepare_load` of a later process can reuse. Default:
+        what this process learned that `prepare` of a later process can reuse. Default:
         nothing."""
 
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:

@@ -78,6 +78,7 @@ class InductorAdaptor(CompilerAdaptor):
         from torch._inductor import standalone_compile
 
         options = {"config_patches": self._patches_for(target)}
+        isa_record.wait_for_probe()  # a probe started by `prepare`: never evaluated twice at once
         try:
             if target.size is not None:
                 if _takes_fake_mode(standalone_compile):
@@ -111,18 +112,25 @@ class InductorAdaptor(CompilerAdaptor):
             patches["post_grad_custom_post_pass"] = _post_passes([self.passes.for_target(target), *user])
         return patches
 
-    def prepare_load(self, device: str, root: str | None = None) -> None:
-        """Overlap or skip the one-time, per-process work the first artifact load waits on.
+    def prepare(self, device: str, root: str | None = None) -> None:
+        """Overlap or skip the one-time, per-process work the first compile or artifact load
+        waits on.
 
         Inductor's CPU vector-ISA probe builds and dlopens a test library per ISA in child
         processes (~1.0 s serially on a 2-core machine). Its answer is recorded under the cache
         `root` (`piecewise.compilers.isa_record`), and a later process with the same key uses the
         record instead of probing. Without a record the probes run in background threads, joined by
-        `load`, and save one; measured on 2 cores, the children slow this thread's imports from 0.72 s to 1.3 s,
-        so a record saves about 0.5 s of every warm start.
+        `compile` and `load`, and save one. Measured on 2 cores: a cold probe (no Inductor cache:
+        one g++ build and one dlopen child per ISA) takes 2.6 s, which now overlaps the Dynamo
+        trace and the first piece's lowering; with Inductor's build cached it is the 0.3-0.5 s of
+        dlopen children, which a record skips. The children slow this thread's imports from 0.72 s
+        to 1.3 s, so a record saves about 0.5 s of every warm start.
+        The probe is not started early when this adaptor's config patches set
+        ``cpp.vec_isa_ok`` or ``cpp.simdlen``: Inductor memoises the first answer per process, so
+        it must be evaluated under those patches, inside the compile.
         This thread imports the Inductor runtime modules generated code imports (~0.7 s, holding
         the GIL, so there is nothing to gain from a second thread for them)."""
-        if device == "cpu":
+        if device == "cpu" and not _patches_isa(self.config_patches):
             isa_record.start_probe(root)
         import importlib
 
@@ -147,6 +155,13 @@ class InductorAdaptor(CompilerAdaptor):
         if _returns_single_value(graph):
             return lambda *args: fn(*args)[0]
         return fn
+
+
+def _patches_isa(patches: dict[str, Any]) -> bool:
+    """Whether Inductor config patches change what its vector-ISA probe answers."""
+    cpp = patches.get("cpp")
+    nested = cpp if isinstance(cpp, dict) else {}
+    return any(k in patches for k in ("cpp.vec_isa_ok", "cpp.simdlen")) or any(k in nested for k in ("vec_isa_ok", "simdlen"))
 
 
 class _ChainedPasses(CustomGraphPass):
