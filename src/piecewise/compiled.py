@@ -21,6 +21,7 @@ import torch.fx
 from .errors import InputError
 from .forward_context import ForwardContext, RuntimeMode, enter_forward, exit_forward
 from .graphs.install import GraphInstall, GraphPlan, install_graphs
+from .ops import direct_call
 from .piece import DispatchState, EntryTable, PieceRunner
 from .split import SplitResult, fx_forward
 
@@ -193,7 +194,7 @@ def build_forward(config: Any, tag: str, split: SplitResult, table: EntryTable, 
     # directly; splitting pieces skip Module.__call__ overhead through their bound forward.
     for item in split.items:
         if item.is_splitting:
-            split_gm.__dict__[item.name] = fx_forward(item.graph)
+            split_gm.__dict__[item.name] = _splitting_forward(item.graph)
     for runner in built:
         split_gm.__dict__[runner.name] = runner
     stitched = StitchedForward(split_gm, table, state, sym_index, tag, config.max_num_tokens, refusal)
@@ -201,3 +202,18 @@ def build_forward(config: Any, tag: str, split: SplitResult, table: EntryTable, 
     if graphs is not None:
         stitched.graphs = graphs.dispatcher
     return CompiledForward(stitched, split, built, table, plan, graphs)
+
+
+def _splitting_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """The bound forward of an eager splitting piece, with each call of an op registered by
+    `piecewise.splitting_op` made through its `DirectCall` (its Python function, without the
+    dispatcher's Python kernels, when that is the same call). Runs a copy of the graph: `gm` itself
+    stays as traced, for fingerprints and the warm-start bundle."""
+    if not any(n.op == "call_function" and direct_call(n.target) is not None for n in gm.graph.nodes):
+        return fx_forward(gm)
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if node.op == "call_function" and (call := direct_call(node.target)) is not None:
+            node.target = call
+    return fx_forward(torch.fx.GraphModule(gm, graph))

@@ -41,7 +41,7 @@ def hf_cached_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     write_pos: torch.Tensor,
-    kv_valid: torch.Tensor,
+    mask: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
     """Write this step's keys and values into the static cache and attend over the cached rows.
@@ -53,34 +53,42 @@ def hf_cached_attention(
             at rows ``0..batch-1``, positions `write_pos`.
         write_pos: ``[new_tokens]`` int64, the cache position of each new token (the same for every
             row: rows are left-padded to one length), increasing.
-        kv_valid: ``[batch, max_model_len]`` bool, False at pad positions (from the 2-D attention mask).
+        mask: ``[batch, new_tokens, max_model_len]`` bool, which cache positions each token sees
+            (`attention_mask_for_step`: one mask a step, shared by every layer).
         scaling: multiplier of ``q @ k^T``.
 
     Returns:
         ``[batch, new_tokens, num_heads, value_head_dim]``, contiguous, in the query dtype.
 
-    Token ``t`` sees cache positions ``j <= write_pos[t]`` that are valid; a pad token also sees
-    itself, so no row is fully masked (a fully masked row would be NaN, and a NaN value poisons
-    every row that weights it by zero).
+    Attends over cache positions ``0..write_pos[-1]`` only (one host read of the last position),
+    so a decode step's cost follows the sequence, not the cache size. The mask comes built: per
+    layer the op only writes the cache and attends.
     """
     batch, heads, _, _ = query.shape
     k_cache[:batch].index_copy_(2, write_pos, key.to(k_cache.dtype))
     v_cache[:batch].index_copy_(2, write_pos, value.to(v_cache.dtype))
     length = int(write_pos[-1]) + 1
-    keys, values = k_cache[:batch, :, :length], v_cache[:batch, :, :length]
-    j = torch.arange(length, device=query.device)
-    causal = j[None, :] <= write_pos[:, None]  # [new_tokens, length]
-    self_pos = j[None, :] == write_pos[:, None]
-    mask = causal[None] & (kv_valid[:, None, :length] | self_pos[None])  # [batch, new_tokens, length]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys.to(query.dtype), values.to(query.dtype), attn_mask=mask[:, None], scale=scaling,
-        enable_gqa=heads != key.shape[1],
+        query, k_cache[:batch, :, :length].to(query.dtype), v_cache[:batch, :, :length].to(query.dtype),
+        attn_mask=mask[:, None, :, :length], scale=scaling, enable_gqa=heads != key.shape[1],
     )
     return out.transpose(1, 2).contiguous()
 
 
+def attention_mask_for_step(write_pos: torch.Tensor, kv_valid: torch.Tensor) -> torch.Tensor:
+    """``[batch, new_tokens, max_model_len]`` bool: token ``t`` sees cache positions
+    ``j <= write_pos[t]`` that are valid in `kv_valid` (``[batch, max_model_len]`` bool, False at
+    pad positions); a pad token also sees itself, so no row is fully masked (a fully masked row
+    would be NaN, and a NaN value poisons every row that weights it by zero). Built once a step,
+    inside the compiled graph, for every layer's `hf_cached_attention`."""
+    j = torch.arange(kv_valid.shape[1], device=kv_valid.device)
+    causal = j[None, :] <= write_pos[:, None]  # [new_tokens, max_model_len]
+    self_pos = j[None, :] == write_pos[:, None]
+    return causal[None] & (kv_valid[:, None, :] | self_pos[None])
+
+
 @hf_cached_attention.register_fake
-def _(query, key, value, k_cache, v_cache, write_pos, kv_valid, scaling):
+def _(query, key, value, k_cache, v_cache, write_pos, mask, scaling):
     batch, heads, new_tokens, _ = query.shape
     return query.new_empty(batch, new_tokens, heads, value.shape[-1])
 
@@ -118,8 +126,8 @@ class GenerationStep(torch.nn.Module):
         v_caches = tuple(getattr(self, f"v_cache_{i}") for i in range(self.num_layers))
         # The class's forward: ``self.model.forward`` may be the compiled model itself (generate()).
         out = type(self.model).forward(self.model, input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                       pw_write_pos=write_pos, pw_kv_valid=kv_valid, pw_k_caches=k_caches,
-                                       pw_v_caches=v_caches)
+                                       pw_write_pos=write_pos, pw_mask=attention_mask_for_step(write_pos, kv_valid),
+                                       pw_k_caches=k_caches, pw_v_caches=v_caches)
         return out.logits
 
 
@@ -129,7 +137,7 @@ def cached_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     layer = module.layer_idx
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = hf_cached_attention(query, key, value, kwargs["pw_k_caches"][layer], kwargs["pw_v_caches"][layer],
-                              kwargs["pw_write_pos"], kwargs["pw_kv_valid"], scale)
+                              kwargs["pw_write_pos"], kwargs["pw_mask"], scale)
     return out, None
 
 
