@@ -177,3 +177,25 @@ def test_beam_search_reorders_the_piecewise_cache():
     got = pw.compile(_build("llama", "piecewise"), _config()).generate(ids, attention_mask=mask, **kw)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_projects_only_the_last_position_and_other_calls_get_every_position():
+    ids, mask = _prompts([6, 3])
+    expected = _eager("llama", ids, mask, max_new_tokens=4)
+    eager = _build("llama", "sdpa")
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4), expected)
+    tags = set(counters.by_tag)
+    assert f"{compiled.tag}_generate" in tags and f"{compiled.tag}_generate_all_logits" not in tags
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask).logits
+        every = compiled(input_ids=ids, attention_mask=mask).logits  # no logits_to_keep: every position
+        last = compiled(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+        two = compiled(input_ids=ids, attention_mask=mask, logits_to_keep=2).logits
+    real = mask.bool()
+    assert every.shape == want.shape and last.shape == (2, 1, want.shape[-1]) and two.shape == (2, 2, want.shape[-1])
+    torch.testing.assert_close(every[real], want[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last, want[:, -1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(two, want[:, -2:], rtol=1e-4, atol=1e-4)
+    assert counters.by_tag[f"{compiled.tag}_generate_all_logits"].dynamo_traces == 1
+    assert counters.by_tag[f"{compiled.tag}_generate"].dynamo_traces == 1 and counters.recompiles == 0

@@ -97,24 +97,36 @@ class GenerationStep(torch.nn.Module):
     """One generation step of a transformers causal LM over the piecewise-owned KV cache.
 
     ``forward(input_ids [B, T] int64, position_ids [B, T] int64, write_pos [T] int64, kv_valid
-    [B, max_model_len] bool) -> logits [B, T, vocab]``. The wrapped model's attention layers (built
-    with ``attn_implementation="piecewise"``) find this step's caches in the keyword arguments
-    transformers passes down to every attention call.
+    [B, max_model_len] bool) -> logits [B, T, vocab]`` (``[B, 1, vocab]``, the last position's,
+    when built with ``last_logits_only``: what ``generate()`` reads, and at a 128-token prefill of
+    SmolLM2 the full-vocabulary projection of the other 127 positions is most of the step's
+    work). The wrapped model's attention layers (built with ``attn_implementation="piecewise"``)
+    find this step's caches in the keyword arguments transformers passes down to every attention
+    call. `sharing` makes a second step over the same cache tensors.
     """
 
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int,
+                 last_logits_only: bool = False, caches: "GenerationStep | None" = None) -> None:
         super().__init__()
         cfg = model.config
         self.model = model
+        self.last_logits_only = last_logits_only
         layers = cfg.num_hidden_layers
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
         shape = (max_num_seqs, kv_heads, max_model_len, head_dim)
         for i in range(layers):
-            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
-            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=param.dtype, device=param.device), persistent=False)
+            for kind in ("k", "v"):
+                t = (getattr(caches, f"{kind}_cache_{i}") if caches is not None
+                     else torch.zeros(shape, dtype=param.dtype, device=param.device))
+                self.register_buffer(f"{kind}_cache_{i}", t, persistent=False)
         self.num_layers = layers
+
+    def sharing(self, last_logits_only: bool) -> "GenerationStep":
+        """A step over the same model and the same cache tensors that returns the other logits."""
+        shape = self.k_cache_0.shape
+        return GenerationStep(self.model, shape[0], shape[2], last_logits_only=last_logits_only, caches=self)
 
     def caches(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         return (tuple(getattr(self, f"k_cache_{i}") for i in range(self.num_layers)),
@@ -126,6 +138,7 @@ class GenerationStep(torch.nn.Module):
         v_caches = tuple(getattr(self, f"v_cache_{i}") for i in range(self.num_layers))
         # The class's forward: ``self.model.forward`` may be the compiled model itself (generate()).
         out = type(self.model).forward(self.model, input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                       logits_to_keep=1 if self.last_logits_only else 0,
                                        pw_write_pos=write_pos, pw_mask=attention_mask_for_step(write_pos, kv_valid),
                                        pw_k_caches=k_caches, pw_v_caches=v_caches)
         return out.logits
@@ -164,8 +177,10 @@ class GenerationRoute:
         self.tag = tag
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", config.max_model_len))
+        #: the step generate() uses (last position's logits); its caches are every step's caches
         self.step: GenerationStep | None = None
-        self.compiled: Any = None
+        #: compiled steps by whether they return only the last position's logits (each traced on first use)
+        self.compiled: dict[bool, Any] = {}
         self.kv_valid: torch.Tensor | None = None
         self._cache_ref: Any = None
         self._past = 0
@@ -190,7 +205,9 @@ class GenerationRoute:
             raise InputError(f"[{self.tag}] {past + new} positions (prompt plus generated tokens) do not fit the KV cache of "
                              f"max_model_len={self.max_model_len}; raise CompilationConfig(max_model_len=...) or shorten the "
                              "prompt / max_new_tokens")
-        self._ensure_compiled(input_ids.device)
+        keep = kwargs.get("logits_to_keep", 0)
+        last_only = isinstance(keep, int) and not isinstance(keep, bool) and keep == 1
+        compiled = self._ensure_compiled(input_ids.device, last_only)
         total = past + new
         valid = self.kv_valid
         mask = kwargs.get("attention_mask")
@@ -220,13 +237,12 @@ class GenerationRoute:
         # the trace (and its saved guards) see the model as it is outside generate().
         assigned = self.model.__dict__.pop("forward", None)
         try:
-            logits = self.compiled(input_ids, position_ids.expand(batch, new).contiguous(), write_pos, valid[:batch])
+            logits = compiled(input_ids, position_ids.expand(batch, new).contiguous(), write_pos, valid[:batch])
         finally:
             if assigned is not None:
                 self.model.__dict__["forward"] = assigned
         self._past = total if cache is not None else 0
-        keep = kwargs.get("logits_to_keep", 0)
-        if isinstance(keep, int) and keep > 0:
+        if not last_only and isinstance(keep, int) and keep > 0:
             logits = logits[:, -keep:]
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -294,21 +310,29 @@ class GenerationRoute:
         except (AttributeError, TypeError):
             pass
 
-    def _ensure_compiled(self, device: torch.device) -> None:
-        if self.compiled is not None:
-            return
+    def _ensure_compiled(self, device: torch.device, last_only: bool) -> Any:
+        """The compiled step returning the last position's logits (`last_only`, tag
+        ``<tag>_generate``: what ``generate()`` asks for with ``logits_to_keep=1``) or every
+        position's (tag ``<tag>_generate_all_logits``: other calls), built on first use over one
+        set of cache tensors."""
+        if last_only in self.compiled:
+            return self.compiled[last_only]
         import dataclasses
 
         from ..api import compile as pw_compile
 
-        self.step = GenerationStep(self.model, self.max_num_seqs, self.max_model_len)
-        self.kv_valid = torch.zeros(self.max_num_seqs, self.max_model_len, dtype=torch.bool, device=device)
+        if self.step is None:
+            self.step = GenerationStep(self.model, self.max_num_seqs, self.max_model_len, last_logits_only=True)
+            self.kv_valid = torch.zeros(self.max_num_seqs, self.max_model_len, dtype=torch.bool, device=device)
+        step = self.step if last_only else self.step.sharing(last_logits_only=False)
         # Batch and token dims are both dynamic, so size and range compiles (keyed by one token
         # count) do not apply to the step: one symbolic compile serves it.
-        config = dataclasses.replace(self.config, tag=f"{self.tag}_generate", compile_sizes=(), compile_ranges=(),
+        config = dataclasses.replace(self.config, tag=f"{self.tag}_generate" + ("" if last_only else "_all_logits"),
+                                     compile_sizes=(), compile_ranges=(),
                                      max_num_tokens=max(self.config.max_num_tokens, self.max_num_seqs, self.max_model_len))
-        self.compiled = pw_compile(self.step, config, dynamic_arg_dims={
+        self.compiled[last_only] = pw_compile(step, config, dynamic_arg_dims={
             "input_ids": (0, 1), "position_ids": (0, 1), "write_pos": 0, "kv_valid": 0})
+        return self.compiled[last_only]
 
 
 def generation_route(module: torch.nn.Module, config: Any, tag: str) -> GenerationRoute | None:
