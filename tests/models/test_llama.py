@@ -172,3 +172,26 @@ def test_config_rejects_nonsense_naming_the_field(fields, named):
 def test_greedy_decode_rejects_requests_beyond_max_seq_len(model):
     with pytest.raises(ValueError, match="max_seq_len=16"):
         greedy_decode(model, [[1] * 10], 8, max_seq_len=16)
+
+
+@pytest.mark.parametrize("order", ["runs", "interleaved"])
+def test_attention_by_sequence_equals_the_gathered_attention(order):
+    """The prefill path (one SDPA a run of one sequence's tokens over a view of its cache rows)
+    against the gather path, on a mixed batch: two prefills, decode tokens, a slot used twice."""
+    from piecewise.models.llama import _attention_by_sequence, _gathered_attention
+
+    g = torch.Generator().manual_seed(3)
+    slots, length, kv, heads, dim = 5, 24, 2, 6, 16
+    k_cache = torch.randn(slots, length, kv, dim, generator=g)
+    v_cache = torch.randn(slots, length, kv, dim, generator=g)
+    seq = [0] * 9 + [3] * 4 + [1, 2, 4] + [0] * 2  # slot 0 in two runs, at later positions
+    pos = list(range(9)) + list(range(6, 10)) + [17, 3, 23] + [9, 10]
+    if order == "interleaved":
+        perm = torch.randperm(len(seq), generator=g).tolist()
+        seq, pos = [seq[i] for i in perm], [pos[i] for i in perm]
+    seq, pos = torch.tensor(seq), torch.tensor(pos)
+    q = torch.randn(len(seq), heads, dim, generator=g)
+    assert q.shape[0] > slots  # the case that takes the by-sequence path
+    want = _gathered_attention(q, k_cache, v_cache, seq, pos, 0.25)
+    got = _attention_by_sequence(q, k_cache, v_cache, seq, pos, 0.25)
+    torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)

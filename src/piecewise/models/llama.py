@@ -159,9 +159,20 @@ def llama_attention(
 def _cached_attention(q, k_cache, v_cache, seq, pos, scale):
     """[n, num_heads, head_dim] attention of each token over its sequence's cached rows 0..pos.
 
-    One fused ``scaled_dot_product_attention`` call with grouped-query heads and a [n, max_seq_len]
-    causal mask: about 10 dispatcher calls a layer instead of ~25 for gather/einsum/softmax, which
-    is what the host pays between piecewise graphs on a GPU."""
+    At most one token a sequence slot (decode; ``n`` no more than the slots): one fused
+    ``scaled_dot_product_attention`` call with grouped-query heads over each token's gathered
+    cache rows and a [n, max_seq_len] causal mask, about 10 dispatcher calls a layer instead of
+    ~25 for gather/einsum/softmax, which is what the host pays between piecewise graphs on a GPU.
+    More tokens than slots (a prefill is in the batch): `_attention_by_sequence`, because the
+    gather copies ``max_seq_len`` cache rows per token (at a 1024-token prefill of SmolLM2's shape,
+    150 MB a layer for the keys alone)."""
+    if q.shape[0] > k_cache.shape[0]:
+        return _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale)
+    return _gathered_attention(q, k_cache, v_cache, seq, pos, scale)
+
+
+def _gathered_attention(q, k_cache, v_cache, seq, pos, scale):
+    """The gather path of `_cached_attention`: no host read, so it also serves full graphs."""
     keys = k_cache[seq].transpose(1, 2)  # [n, num_kv_heads, max_seq_len, head_dim]
     values = v_cache[seq].transpose(1, 2)
     visible = torch.arange(k_cache.shape[1], device=q.device)[None, :] <= pos[:, None]  # [n, max_seq_len]
@@ -171,6 +182,30 @@ def _cached_attention(q, k_cache, v_cache, seq, pos, scale):
     return out.squeeze(2)
 
 
+def _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale):
+    """`_cached_attention` for batches holding a prefill: each run of consecutive tokens of one
+    sequence attends in one SDPA call over a view of its slot's cache rows ``0..max(pos)`` with a
+    causal mask, so nothing is gathered. One host read of `seq` and `pos` (a device sync on a GPU,
+    paid only by batches with more tokens than slots). Correct for any token order: every token
+    sees exactly its sequence's rows ``0..pos``, written before any token attends."""
+    bounds = torch.unique_consecutive(seq, return_counts=True)
+    slots, counts = bounds[0].tolist(), bounds[1].tolist()
+    positions = pos.tolist()
+    outs, start = [], 0
+    for slot, count in zip(slots, counts):
+        end = start + count
+        length = max(positions[start:end]) + 1
+        keys = k_cache[slot, :length].transpose(0, 1)[None]  # [1, num_kv_heads, length, head_dim]
+        values = v_cache[slot, :length].transpose(0, 1)[None]
+        visible = torch.arange(length, device=q.device)[None, :] <= pos[start:end, None]  # [count, length]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1)[None], keys, values, attn_mask=visible[None, None], scale=scale, enable_gqa=True
+        )  # [1, num_heads, count, head_dim]
+        outs.append(out[0].transpose(0, 1))
+        start = end
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 def _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, num_tokens_device):
     t = q.shape[0]
     real = torch.arange(t, device=q.device) < num_tokens_device
@@ -178,7 +213,7 @@ def _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, 
     pos = torch.where(real, positions, 0)
     k_cache[seq, pos] = k
     v_cache[seq, pos] = v
-    out = _cached_attention(q, k_cache, v_cache, seq, pos, scale)
+    out = _gathered_attention(q, k_cache, v_cache, seq, pos, scale)  # no host read inside a graph
     return torch.where(real[:, None, None], out, 0.0).to(q.dtype)
 
 
