@@ -195,3 +195,27 @@ def test_attention_by_sequence_equals_the_gathered_attention(order):
     want = _gathered_attention(q, k_cache, v_cache, seq, pos, 0.25)
     got = _attention_by_sequence(q, k_cache, v_cache, seq, pos, 0.25)
     torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
+
+
+def test_an_engine_projecting_only_sampled_rows_decodes_the_same_tokens(model):
+    import piecewise as pw
+    from piecewise.counters import counters
+
+    trace = default_trace(model.config.vocab_size)
+    kw = dict(arrival_steps=trace.arrival_steps, max_num_seqs=model.config.max_num_seqs,
+              max_seq_len=model.config.max_seq_len, reset=model.reset_kv_cache)
+    with torch.no_grad():
+        full = greedy_decode(model, trace.prompts, trace.max_new_tokens, **kw)
+        projected = []
+
+        def head(rows):
+            projected.append(rows.shape[0])
+            return model.compute_logits(rows)
+
+        backbone = pw.compile(model.backbone(), pw.CompilationConfig(backend="eager", cache_dir=None, max_num_tokens=64),
+                              dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
+        engine = greedy_decode(backbone, trace.prompts, trace.max_new_tokens, compute_logits=head, **kw)
+    assert engine.tokens == full.tokens
+    # one projected row per generated token, against every fed token before
+    assert sum(projected) == len(trace.prompts) * trace.max_new_tokens < sum(full.step_sizes)
+    assert counters.recompiles == 0

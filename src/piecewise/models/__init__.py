@@ -5,12 +5,13 @@ not import `transformers`.
 """
 
 from .decode import DecodeResult, DecodeTrace, default_trace, greedy_decode, make_prompts
-from .llama import LLAMA_ATTENTION_OP, LlamaConfig, LlamaForCausalLM, llama_attention
+from .llama import LLAMA_ATTENTION_OP, LlamaBackbone, LlamaConfig, LlamaForCausalLM, llama_attention
 
 __all__ = [
     "DecodeResult",
     "DecodeTrace",
     "LLAMA_ATTENTION_OP",
+    "LlamaBackbone",
     "LlamaConfig",
     "LlamaForCausalLM",
     "default_trace",

@@ -162,29 +162,32 @@ def _decoder(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, ba
     key = (id(model), "decoder", backend if compiled else "none")
     if key not in _ENGINES:
         decoder = LlamaForCausalLM.from_hf(model, max_num_seqs=1, max_seq_len=MAX_MODEL_LEN)
-        _ENGINES[key] = (decoder, pw_compile(decoder, CompilationConfig(backend=backend, max_num_tokens=MAX_MODEL_LEN,
-                                                                        tag="smollm2_engine"),
+        # The engine compiles the backbone and projects only the row it samples from.
+        backbone = decoder.backbone()
+        _ENGINES[key] = (decoder, pw_compile(backbone, CompilationConfig(backend=backend, max_num_tokens=MAX_MODEL_LEN,
+                                                                         tag="smollm2_engine"),
                                              dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
-                         if compiled else decoder)
+                         if compiled else backbone)
     decoder, forward = _ENGINES[key]
     seen: list[int] = []
     printed = [""]
 
     def streaming(input_ids: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-        logits = forward(input_ids, positions, seq_ids)
+        hidden = forward(input_ids, positions, seq_ids)
         if int(positions[-1]) >= len(ids) - 1:  # the last row carries this request's next token
             clock.token()
-            seen.append(int(logits[-1].argmax()))
+            seen.append(int(decoder.compute_logits(hidden[-1:]).argmax()))
             if stream is not None:
                 text = tokenizer.decode(seen, skip_special_tokens=True)
                 stream(text[len(printed[0]):])
                 printed[0] = text
-        return logits
+        return hidden
 
     with torch.no_grad():
         result = greedy_decode(streaming, [ids], max_new_tokens, arrival_steps=[0], reset=decoder.reset_kv_cache,
                                eos_token_ids=decoder.eos_token_ids, config=decoder.config,
-                               max_num_tokens=MAX_MODEL_LEN if compiled else None)
+                               max_num_tokens=MAX_MODEL_LEN if compiled else None,
+                               compute_logits=decoder.compute_logits)
     total = time.perf_counter() - clock.start
     return [int(t) for t in result.tokens[0]], clock.first or total, total
 

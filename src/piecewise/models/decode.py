@@ -97,6 +97,7 @@ def greedy_decode(
     eos_token_ids: Iterable[int] = (),
     config: Any = None,
     max_num_tokens: int | None = None,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> DecodeResult:
     """Decode every prompt greedily, batching requests continuously.
 
@@ -126,6 +127,11 @@ def greedy_decode(
             spent; a prefill that does not fit is fed in chunks over several steps (chunked
             prefill), and a request generates once its whole prompt is in the cache. Default:
             no limit.
+        compute_logits: when given, `forward` returns hidden states ``[num_tokens, hidden]`` and
+            only the rows a request samples from (its last fed token) go through
+            ``compute_logits(rows) -> [rows, vocab_size]`` (e.g. a compiled
+            `LlamaForCausalLM.backbone` with `LlamaForCausalLM.compute_logits`), so prompt tokens
+            are never projected onto the vocabulary.
 
     Raises:
         InputError: empty prompts, mismatched `arrival_steps` or `max_new_tokens`, more slots than
@@ -178,7 +184,7 @@ def greedy_decode(
         while waiting and free_slots and arrivals[waiting[0]] <= step:
             i = waiting.popleft()
             running.append(_Request(i, free_slots.pop(0), list(prompts[i]), 0, tokens[i], limits[i]))
-        for r in _run_step(forward, running, device, result, max_num_tokens):
+        for r in _run_step(forward, running, device, result, max_num_tokens, compute_logits):
             if r.generated[-1] not in eos and len(r.generated) < r.max_new_tokens:
                 continue
             result.stop_reasons[r.index] = "eos" if r.generated[-1] in eos else "length"
@@ -190,7 +196,7 @@ def greedy_decode(
 
 
 def _run_step(forward: Forward, running: list[_Request], device: torch.device | str, result: DecodeResult,
-              budget: int | None) -> list[_Request]:
+              budget: int | None, compute_logits: Callable[[torch.Tensor], torch.Tensor] | None) -> list[_Request]:
     """Feed running requests' pending tokens as one flattened batch, at most `budget` tokens in
     admission order, and append one token to each request fed all of its pending tokens; returns those."""
     ids, positions, seq_ids, last_rows, fed = [], [], [], [], []
@@ -212,8 +218,9 @@ def _run_step(forward: Forward, running: list[_Request], device: torch.device | 
     rows = as_tensor(last_rows)
     start = time.perf_counter()
     with torch.no_grad():
-        logits = forward(*inputs)
-        next_ids = logits[rows].argmax(dim=-1).tolist()  # .tolist() waits for the device
+        out = forward(*inputs)
+        logits = out[rows] if compute_logits is None else compute_logits(out[rows])
+        next_ids = logits.argmax(dim=-1).tolist()  # .tolist() waits for the device
     result.step_seconds.append(time.perf_counter() - start)
     result.step_sizes.append(len(ids))
     generated = []

@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..forward_context import forward_context
 from ..ops import splitting_op
 
-__all__ = ["LLAMA_ATTENTION_OP", "ROPE_TYPES", "SUPPORTED_HF_MODEL_TYPES", "LlamaConfig", "LlamaForCausalLM",
+__all__ = ["LLAMA_ATTENTION_OP", "ROPE_TYPES", "SUPPORTED_HF_MODEL_TYPES", "LlamaBackbone", "LlamaConfig", "LlamaForCausalLM",
            "llama_attention"]
 
 LLAMA_ATTENTION_OP = "piecewise_models::llama_attention"
@@ -491,12 +491,40 @@ class LlamaForCausalLM(nn.Module):
         Writes each token's keys and values into the KV caches at ``[seq_ids, positions]``. Index
         ranges are not checked (that would need a data-dependent branch).
         """
+        return self.compute_logits(self.hidden_states(input_ids, positions, seq_ids))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        """`forward` up to the final norm: [num_tokens, hidden_size] in `config.dtype` (same
+        arguments and KV-cache writes as `forward`)."""
         c = self.config
         cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, **_rope_scaling(c))
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, positions, seq_ids)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden_size] -> [rows, vocab_size] logits: the vocabulary projection alone."""
+        return self.lm_head(hidden)
+
+    def backbone(self) -> "LlamaBackbone":
+        """A module whose ``forward`` is `hidden_states`, to compile for an engine that projects
+        only the rows it samples from (`greedy_decode`'s ``compute_logits``), as serving engines
+        do: at a 1024-token prefill of SmolLM2 the full-vocabulary projection of every prompt
+        token is 58 GFLOP, of which the engine needs the last token of each sequence."""
+        return LlamaBackbone(self)
+
+
+class LlamaBackbone(nn.Module):
+    """`LlamaForCausalLM.hidden_states` as a module's ``forward`` (the decoder is its submodule:
+    same weights, same KV caches)."""
+
+    def __init__(self, decoder: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.hidden_states(input_ids, positions, seq_ids)
 
 
 # ---------------------------------------------------------------------------------------------
