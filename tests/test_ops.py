@@ -76,6 +76,10 @@ def _direct():
     d = direct_call(torch.ops.pw_test_direct.write_add.default)
     assert d is not None
     d.overload = _Recorder(d.overload)
+    with torch.no_grad():
+        d(torch.zeros(1, 4), torch.zeros(5, 4))  # the first call takes the dispatcher, for its output checks
+    assert d.overload.calls == 1
+    d.overload.calls = 0
     return d
 
 
@@ -169,3 +173,24 @@ def test_compiled_splitting_pieces_call_the_op_directly_and_equal_eager():
     traced = [n.target for item in cm.backend.split.items if item.is_splitting for n in item.graph.graph.nodes
               if n.op == "call_function"]
     assert [normalize_op_name(t) for t in traced] == ["pw_test_direct::write_add"]
+
+
+def test_the_first_direct_call_runs_the_dispatchers_output_checks():
+    from piecewise.ops import direct_call
+
+    @pw.splitting_op("pw_test_direct::returns_its_input", mutates_args=())
+    def returns_input(x: torch.Tensor) -> torch.Tensor:
+        return x  # custom ops may not return an input: the dispatcher path refuses it
+
+    d = direct_call(torch.ops.pw_test_direct.returns_its_input.default)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="alias"):
+        d(torch.zeros(2))
+
+
+def test_tensor_list_arguments_are_checked_too():
+    from piecewise.ops import DirectCall
+
+    with torch.no_grad():
+        assert DirectCall._direct(([torch.zeros(1), torch.zeros(2)],), {})
+    with torch.enable_grad():
+        assert not DirectCall._direct(([torch.zeros(1), torch.zeros(2, requires_grad=True)],), {})

@@ -138,26 +138,32 @@ class DirectCall:
     (`torch.autograd.graph.increment_version`), as the dispatcher path does, and is taken only
     when nothing else could intercept the call: gradients off or no argument needing one, no
     torch-function or dispatch mode, no tensor subclass argument (nn.Parameter aside), the
-    profiler off (so the op stays visible there). Made by `direct_call` at build time, when the
+    profiler off (so the op stays visible there), and not on the first call, which goes through
+    the dispatcher so that its checks of the outputs run once. Made by `direct_call` at build time, when the
     op has no kernel of its own for a device key (``register_kernel``): such an op goes through the
     dispatcher always.
 
     Calls: the op's arguments, positional or by name, as the split graph's node passes them.
     """
 
-    __slots__ = ("overload", "fn", "mutated", "__name__")
+    __slots__ = ("overload", "fn", "mutated", "checked", "__name__")
 
     def __init__(self, overload: torch._ops.OpOverload, fn: Callable[..., Any]) -> None:
         self.overload = overload
         self.fn = fn
+        #: whether a call went through the dispatcher yet (its backend kernel checks, once, that the
+        #: outputs alias no input, as ``custom_op`` requires; later calls skip the check)
+        self.checked = False
         args = overload._schema.arguments
         #: (position, name) of each argument the op writes
         self.mutated = tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
         self.__name__ = f"direct_{overload.namespace}_{overload._opname}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._direct(args, kwargs):
-            return self.overload(*args, **kwargs)
+        if not (self.checked and self._direct(args, kwargs)):
+            out = self.overload(*args, **kwargs)
+            self.checked = True
+            return out
         out = self.fn(*args, **kwargs)
         for i, name in self.mutated:
             t = args[i] if i < len(args) else kwargs.get(name)
@@ -172,9 +178,10 @@ class DirectCall:
             return False
         grad = torch.is_grad_enabled()
         for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                if (type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter) or (grad and a.requires_grad):
-                    return False
+            for t in a if isinstance(a, (list, tuple)) else (a,):  # Tensor[] arguments too
+                if isinstance(t, torch.Tensor):
+                    if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or (grad and t.requires_grad):
+                        return False
         return True
 
     def __repr__(self) -> str:

@@ -148,3 +148,28 @@ def test_isa_settings_in_the_inductor_options_keep_the_probe_inside_the_compile(
     r = _early(tmp_path / "patched", {"cpp.vec_isa_ok": False})
     assert r["equal"]
     assert "start_probe" not in [e[0] for e in r["events"]]
+
+
+def test_the_background_probe_imports_nothing_while_the_caller_traces(tmp_path):
+    """Two threads importing torch's modules at once can fail a circular import in one of them, so
+    start_probe imports what the probe needs first, and the probe thread imports no module."""
+    code = r'''
+import json, sys
+import torch
+import piecewise.compilers.inductor
+from piecewise.compilers import isa_record as I
+seen = {}
+orig = I.probe
+def probe(root):
+    before = set(sys.modules)
+    orig(root)
+    seen["new"] = sorted(set(sys.modules) - before)
+I.probe = probe
+I.start_probe(None)
+I.wait_for_probe()
+print(json.dumps(seen))
+'''
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"new": []}

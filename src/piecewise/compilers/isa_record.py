@@ -24,9 +24,17 @@ import torch
 
 log = logging.getLogger("piecewise")
 
-__all__ = ["record_key", "record_path", "use_record", "save", "probe", "start_probe", "wait_for_probe"]
+__all__ = ["PROBE_MODULES", "record_key", "record_path", "use_record", "save", "probe", "start_probe", "wait_for_probe"]
 
 _probe_thread: threading.Thread | None = None
+
+
+#: what the probe imports (Inductor's code cache and C++ builder pull in ~160 modules): imported by
+#: `start_probe` on the calling thread, so the probe thread imports nothing while the caller traces
+#: and compiles. Two threads importing torch's modules at once can fail a circular import in one of
+#: them (seen: ModuleNotFoundError for torch.utils.flop_counter in a cold start).
+PROBE_MODULES = ("torch._inductor.codecache", "torch._inductor.cpp_builder", "torch.utils._filelock",
+                 "torch.utils.cpp_extension")
 
 
 def start_probe(root: str | None) -> None:
@@ -36,6 +44,10 @@ def start_probe(root: str | None) -> None:
         return
     if root and use_record(root):
         return
+    import importlib
+
+    for name in PROBE_MODULES:
+        importlib.import_module(name)
     _probe_thread = threading.Thread(target=probe, args=(root,), name="piecewise-isa-probe", daemon=True)
     _probe_thread.start()
 
