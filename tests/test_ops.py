@@ -194,3 +194,89 @@ def test_tensor_list_arguments_are_checked_too():
         assert DirectCall._direct(([torch.zeros(1), torch.zeros(2)],), {})
     with torch.enable_grad():
         assert not DirectCall._direct(([torch.zeros(1), torch.zeros(2, requires_grad=True)],), {})
+
+
+# Found by trying to break DirectCall: what the dispatcher does to arguments, the direct call must too.
+
+
+@pw.splitting_op("pw_test_direct::typed", mutates_args=())
+def _typed(x: torch.Tensor, s: float, dims: list[int]) -> torch.Tensor:
+    assert isinstance(s, float) and isinstance(dims, list), (type(s), type(dims))  # the dispatcher converts
+    return x * s + len(dims)
+
+
+@_typed.register_fake
+def _(x, s, dims):
+    return torch.empty_like(x)
+
+
+@pw.splitting_op("pw_test_direct::named", mutates_args=(), schema="(Tensor a, Tensor b, float alpha=2.0) -> Tensor")
+def _named(x, y, scale=5.0):
+    return x + y * scale
+
+
+@_named.register_fake
+def _(a, b, alpha=2.0):
+    return torch.empty_like(a)
+
+
+@pw.splitting_op("pw_test_direct::write_all", mutates_args=("xs",))
+def _write_all(x: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
+    for t in xs:
+        t.add_(1)
+    return x.clone()
+
+
+@_write_all.register_fake
+def _(x, xs):
+    return torch.empty_like(x)
+
+
+@pw.splitting_op("pw_test_direct::autocast", mutates_args=())
+def _autocast(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_autocast.register_fake(lambda x: torch.empty_like(x))
+_autocast.register_autocast("cpu", torch.bfloat16)
+
+
+def _compiled(forward, **kw):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("a", torch.zeros(2, 3))
+            self.register_buffer("b", torch.zeros(2, 3))
+
+    M.forward = forward
+    m = M()
+    return m, pw.compile(m, pw.CompilationConfig(backend="eager", cache_dir=None, max_num_tokens=16), dynamic_arg_dims={"x": 0})
+
+
+@pytest.mark.parametrize("case", ["int_for_float_and_tuple_for_list", "keyword_named_by_the_schema", "autocast_kernel"])
+def test_direct_calls_see_what_the_dispatcher_would_hand_the_function(case):
+    forwards = {
+        "int_for_float_and_tuple_for_list": lambda self, x: torch.ops.pw_test_direct.typed(x.sin(), 3, (1,)).cos(),
+        "keyword_named_by_the_schema": lambda self, x: torch.ops.pw_test_direct.named(x.sin(), b=x).cos(),
+        "autocast_kernel": lambda self, x: torch.ops.pw_test_direct.autocast(x.sin()).cos(),
+    }
+    m, cm = _compiled(forwards[case])
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast_kernel" else torch.no_grad()
+    with ctx, torch.no_grad():
+        for n in (3, 5, 2):  # the first call takes the dispatcher; the later ones the direct call
+            x = torch.randn(n, 3)
+            want, got = m(x), cm(x)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
+
+
+def test_tensors_mutated_inside_a_list_have_their_versions_bumped():
+    m, cm = _compiled(lambda self, x: torch.ops.pw_test_direct.write_all(x.sin(), [self.a, self.b]).cos())
+    with torch.no_grad():
+        for n in (3, 4, 2):
+            va, vb = m.a._version, m.b._version
+            cm(torch.randn(n, 3))
+            da, db = m.a._version - va, m.b._version - vb
+            ea, eb = m.a._version, m.b._version
+            m(torch.randn(n, 3))
+            assert (da, db) == (m.a._version - ea, m.b._version - eb) == (2, 2)  # add_ in the body + the op's own bump

@@ -215,5 +215,7 @@ def _splitting_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     graph.output(graph.graph_copy(gm.graph, {}))
     for node in graph.nodes:
         if node.op == "call_function" and (call := direct_call(node.target)) is not None:
-            node.target = call
+            bound = call.normalize(node.args, node.kwargs)
+            if bound is not None:  # else an argument the dispatcher converts is typed at run time only
+                node.target, (node.args, node.kwargs) = call, bound
     return fx_forward(torch.fx.GraphModule(gm, graph))

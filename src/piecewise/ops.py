@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.fx
 
 from .errors import ConfigError
 
@@ -166,15 +167,31 @@ class DirectCall:
             return out
         out = self.fn(*args, **kwargs)
         for i, name in self.mutated:
-            t = args[i] if i < len(args) else kwargs.get(name)
-            if isinstance(t, torch.Tensor):
-                torch.autograd.graph.increment_version(t)
+            value = args[i] if i < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):  # Tensor(a!)[] too
+                if isinstance(t, torch.Tensor):
+                    torch.autograd.graph.increment_version(t)
         return out
+
+    def normalize(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """A graph node's arguments (constants, containers and `torch.fx.Node` leaves) as the
+        dispatcher would hand them to the function: an int constant where the schema says float
+        becomes a float, a tuple where it says a list becomes a list. None when an argument the
+        dispatcher would convert is only known at run time (a node where the schema wants a
+        float or a list): such a call keeps the dispatcher."""
+        names = [a.name for a in self.overload._schema.arguments]
+        types = dict(zip(names, (a.type for a in self.overload._schema.arguments)))
+        try:
+            new_args = tuple(_convert(v, types[n]) for v, n in zip(args, names))
+            new_kwargs = {k: _convert(v, types[k]) for k, v in kwargs.items()}
+        except (_RuntimeTyped, KeyError):
+            return None
+        return new_args, new_kwargs
 
     @staticmethod
     def _direct(args: tuple, kwargs: dict) -> bool:
         if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
-                or torch.autograd.profiler._is_profiler_enabled):
+                or torch.autograd.profiler._is_profiler_enabled or torch._C._is_any_autocast_enabled()):
             return False
         grad = torch.is_grad_enabled()
         for a in (*args, *kwargs.values()):
@@ -207,4 +224,32 @@ def direct_call(target: Any) -> DirectCall | None:
     qualname = f"{target.namespace}::{target._opname}"
     if any(torch._C._dispatch_has_kernel_for_dispatch_key(qualname, k) for k in _DEVICE_KEYS):
         return None
+    import inspect
+
+    try:  # an explicit schema may name the arguments otherwise: keyword arguments would not bind
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    if params != [a.name for a in target._schema.arguments]:
+        return None
     return DirectCall(target, fn)
+
+
+class _RuntimeTyped(Exception):
+    """An argument the dispatcher would convert is a graph node (its type is known at run time only)."""
+
+
+def _convert(value: Any, typ: Any) -> Any:
+    """`value` (a node argument) converted as the dispatcher converts it for schema type `typ`."""
+    if isinstance(typ, torch._C.OptionalType):
+        return None if value is None else _convert(value, typ.getElementType())
+    is_node = isinstance(value, torch.fx.Node)
+    if isinstance(typ, torch._C.FloatType):
+        if is_node:
+            raise _RuntimeTyped
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if isinstance(typ, torch._C.ListType):
+        if is_node or not isinstance(value, (list, tuple)):
+            raise _RuntimeTyped
+        return [_convert(v, typ.getElementType()) for v in value]
+    return value

@@ -192,10 +192,13 @@ def test_generate_projects_only_the_last_position_and_other_calls_get_every_posi
         every = compiled(input_ids=ids, attention_mask=mask).logits  # no logits_to_keep: every position
         last = compiled(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
         two = compiled(input_ids=ids, attention_mask=mask, logits_to_keep=2).logits
+        picked = compiled(input_ids=ids, attention_mask=mask, logits_to_keep=torch.tensor([0, 5])).logits
     real = mask.bool()
     assert every.shape == want.shape and last.shape == (2, 1, want.shape[-1]) and two.shape == (2, 2, want.shape[-1])
     torch.testing.assert_close(every[real], want[real], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(last, want[:, -1:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(two, want[:, -2:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(picked[:, 1], want[:, 5], rtol=1e-4, atol=1e-4)  # a tensor names positions
+    assert picked.shape == (2, 2, want.shape[-1])
     assert counters.by_tag[f"{compiled.tag}_generate_all_logits"].dynamo_traces == 1
     assert counters.by_tag[f"{compiled.tag}_generate"].dynamo_traces == 1 and counters.recompiles == 0

@@ -244,6 +244,8 @@ class GenerationRoute:
         self._past = total if cache is not None else 0
         if not last_only and isinstance(keep, int) and keep > 0:
             logits = logits[:, -keep:]
+        elif isinstance(keep, torch.Tensor):  # positions to keep, as transformers reads a tensor
+            logits = logits[:, keep.to(logits.device)]
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         out = CausalLMOutputWithPast(logits=logits)
