@@ -255,3 +255,32 @@ def test_torch_compile_backend_name_resolves_to_piecewise():
     with counters.expect(graphs_seen=1, pieces_seen=5):
         x = torch.randn(4, 8)
         torch.testing.assert_close(fn(x), model(x))
+
+
+def test_the_first_call_keeps_the_collector_off_old_objects_and_undoes_it():
+    import gc
+
+    from piecewise import backend as B
+
+    seen = []
+    orig = B.PiecewiseBackend.__call__
+
+    def call(self, gm, example_inputs):
+        seen.append(gc.get_freeze_count())
+        return orig(self, gm, example_inputs)
+
+    B.PiecewiseBackend.__call__ = call
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        cm = pw.compile(model, pw.CompilationConfig(backend="eager", cache_dir=None), dynamic_arg_dims={"input": 0})
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(cm(x), model(x))
+        assert seen and seen[0] > 0 and gc.get_freeze_count() == 0  # frozen while compiling, thawed after
+        gc.freeze()  # a process that froze objects itself keeps them frozen
+        cm2 = pw.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)), pw.CompilationConfig(backend="eager", cache_dir=None),
+                         dynamic_arg_dims={"input": 0})
+        cm2(x)
+        assert gc.get_freeze_count() > 0  # not thawed by the compile
+    finally:
+        gc.unfreeze()
+        B.PiecewiseBackend.__call__ = orig

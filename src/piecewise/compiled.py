@@ -209,13 +209,13 @@ def _splitting_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     `piecewise.splitting_op` made through its `DirectCall` (its Python function, without the
     dispatcher's Python kernels, when that is the same call). Runs a copy of the graph: `gm` itself
     stays as traced, for fingerprints and the warm-start bundle."""
-    if not any(n.op == "call_function" and direct_call(n.target) is not None for n in gm.graph.nodes):
-        return fx_forward(gm)
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
+    changed = False
     for node in graph.nodes:
         if node.op == "call_function" and (call := direct_call(node.target)) is not None:
             bound = call.normalize(node.args, node.kwargs)
             if bound is not None:  # else an argument the dispatcher converts is typed at run time only
                 node.target, (node.args, node.kwargs) = call, bound
-    return fx_forward(torch.fx.GraphModule(gm, graph))
+                changed = True
+    return fx_forward(torch.fx.GraphModule(gm, graph)) if changed else fx_forward(gm)
