@@ -99,8 +99,8 @@ class PiecewiseBackend:
         return self.result.graphs.wrappers if self.result is not None and self.result.graphs is not None else []
 
     def prepare(self, example_inputs: Sequence[Any]) -> None:
-        """Let the adaptor start its per-process setup for the inputs' device (the CPU ISA probe
-        of Inductor) before the trace, so it overlaps tracing; see `CompilerAdaptor.prepare`."""
+        """Let the adaptor settle its per-process setup for the inputs' device (Inductor's CPU
+        vector ISA, its runtime imports) before the trace; see `CompilerAdaptor.prepare`."""
         device = next((x.device.type for x in example_inputs if isinstance(x, torch.Tensor)), "cpu")
         self.adaptor.prepare(device, resolve_root(self.config.cache_dir))
 

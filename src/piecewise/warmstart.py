@@ -610,7 +610,6 @@ class WarmStart:
             if entry.writable:
                 counters.bump("bundles_saved", tag=self.tag)
                 log.info("[%s] warm-start bundle saved as %s", self.tag, entry.rel)
-                backend.adaptor.record_for_load(self.root)
                 removed = prune_bundles(self.root, self.tag, self.rank_dir, bundles_per_tag(), entry.path)
                 if removed:
                     log.info("[%s] removed %d older warm-start bundle(s) of this tag (kept %d)", self.tag, removed,

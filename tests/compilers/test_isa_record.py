@@ -1,6 +1,7 @@
-"""The recorded answer of Inductor's CPU vector-ISA probe (`piecewise.compilers.isa_record`).
+"""Inductor's CPU vector-ISA answer, assumed from the CPU's flags or recorded from a probe
+(`piecewise.compilers.isa_record`).
 
-Each check runs in a fresh process: the probe's answer is memoised per process.
+Each check runs in a fresh process: the answer is memoised per process.
 """
 
 import json
@@ -80,95 +81,165 @@ def test_a_record_another_user_could_write_is_not_trusted(probed, tmp_path):
     assert not _run(other, "use")["used"]
 
 
-def test_a_cold_start_with_inductor_records_the_probe_for_the_first_warm_start(tmp_path):
-    import torch
-
-    import piecewise as pw
-    from piecewise.models.toy import ToyTransformer
-
-    root = tmp_path / "c"
-    cm = pw.compile(ToyTransformer(1, dim=8), pw.CompilationConfig(backend="inductor", cache_dir=str(root)),
-                    dynamic_arg_dims={"x": 0})
-    cm(torch.randn(3, 8))
-    r = _run(root, "use")
-    assert r["used"] and r["probes"] == []
-
-
-EARLY = r'''
-import json, sys, threading
+ANSWER = r"""
+import json, sys
 import torch
-import piecewise as pw
-from piecewise import backend as B
+from torch._inductor import cpu_vec_isa
 from piecewise.compilers import isa_record as I
+
+builds = []
+orig = cpu_vec_isa.VecISA.check_build
+cpu_vec_isa.VecISA.check_build = lambda self, code: builds.append(str(self)) or orig(self, code)
+if sys.argv[1] == "assume":
+    I.assume(None)
+valid = cpu_vec_isa.valid_vec_isa_list()
+picked = cpu_vec_isa.pick_vec_isa()
+print(json.dumps({"valid": [str(i) for i in valid], "picked": str(picked), "ok": bool(picked),
+                  "flags": [i.build_arch_flags() for i in valid], "nelements": picked.nelements() if picked else 0,
+                  "source": I.answer_source(), "builds": builds}))
+"""
+
+
+def _answer(mode, tmp_path):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{mode}"))
+    p = subprocess.run([sys.executable, "-c", ANSWER, mode], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_assumed_answer_is_inductors_probe_answer_without_a_build(tmp_path):
+    """On the CPU running the suite: the same valid ISAs, picked ISA and compiler flags (AVX512-BF16
+    and AMX-FP16 included) as Inductor's own probe, and no test program built."""
+    probed = _answer("probe", tmp_path)
+    assumed = _answer("assume", tmp_path)
+    assert probed["source"] is None and assumed["source"] == "assumed"
+    assert assumed["builds"] == []
+    for k in ("valid", "picked", "ok", "flags", "nelements"):
+        assert assumed[k] == probed[k], k
+    import platform
+
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert probed["builds"], "Inductor's probe builds at least one test program on x86"
+
+
+COLD = r"""
+import json, sys
+import torch
+from torch._inductor import cpu_vec_isa
+import piecewise as pw
 from piecewise.models.toy import ToyTransformer
 
-events = []
-orig_start, orig_call = I.start_probe, B.PiecewiseBackend.__call__
-def start_probe(root):
-    orig_start(root)
-    events.append(("start_probe", I._probe_thread is not None))
-def call(self, gm, example_inputs):
-    events.append(("backend", I._probe_thread is not None and I._probe_thread.is_alive()))
-    return orig_call(self, gm, example_inputs)
-I.start_probe, B.PiecewiseBackend.__call__ = start_probe, call
+builds = []
+orig = cpu_vec_isa.VecISA.check_build
+cpu_vec_isa.VecISA.check_build = lambda self, code: builds.append(str(self)) or orig(self, code)
 patches = json.loads(sys.argv[2])
 cm = pw.compile(ToyTransformer(1, dim=8), pw.CompilationConfig(backend="inductor", cache_dir=sys.argv[1],
                 inductor_options=patches), dynamic_arg_dims={"x": 0})
 x = torch.randn(3, 8)
 ok = torch.allclose(cm(x), cm.module(x), rtol=1.3e-6, atol=1e-5)
-print(json.dumps({"events": events, "equal": ok}))
-'''
+from piecewise.compilers import isa_record as I
+print(json.dumps({"builds": builds, "equal": ok, "source": I.answer_source(), "bundle_hits": pw.counters.bundle_hits}))
+"""
 
 
-def _early(root, patches):
-    p = subprocess.run([sys.executable, "-c", EARLY, str(root), json.dumps(patches)], capture_output=True, text=True,
+def _cold(root, patches):
+    p = subprocess.run([sys.executable, "-c", COLD, str(root), json.dumps(patches)], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_a_cold_compile_starts_the_probe_before_the_trace_and_records_it(tmp_path):
-    root = tmp_path / "early"
-    r = _early(root, {})
-    assert r["equal"]
-    # the probe thread was started by piecewise.compile's first call, before Dynamo handed the graph over
-    assert r["events"][0] == ["start_probe", True]
-    assert [e[0] for e in r["events"]].index("backend") > 0
-    assert os.path.exists(_record(root))  # saved by the background probe itself
-    # the next process finds the record and starts no probe thread
-    again = _early(root, {})
-    assert again["events"][0] == ["start_probe", False] and again["equal"]
+def test_cold_and_warm_starts_with_inductor_build_no_isa_test_program(tmp_path):
+    root = tmp_path / "cold"
+    cold = _cold(root, {})
+    assert cold["equal"] and cold["builds"] == [] and cold["source"] == "assumed"
+    warm = _cold(root, {})
+    assert warm["bundle_hits"] == 1 and warm["equal"] and warm["builds"] == [] and warm["source"] == "assumed"
+    assert not os.path.exists(root / "isa")  # nothing to record: no probe ran
 
 
-def test_isa_settings_in_the_inductor_options_keep_the_probe_inside_the_compile(tmp_path):
+def test_isa_settings_in_the_inductor_options_leave_the_question_to_the_compile(tmp_path):
     from piecewise.compilers.inductor import _patches_isa
 
     assert _patches_isa({"cpp.vec_isa_ok": False}) and _patches_isa({"cpp": {"simdlen": 256}})
     assert not _patches_isa({"max_autotune": False, "cpp": {"threads": 1}})
-    r = _early(tmp_path / "patched", {"cpp.vec_isa_ok": False})
-    assert r["equal"]
-    assert "start_probe" not in [e[0] for e in r["events"]]
+    r = _cold(tmp_path / "patched", {"cpp.vec_isa_ok": False})
+    assert r["equal"] and r["source"] is None
 
 
-def test_the_background_probe_imports_nothing_while_the_caller_traces(tmp_path):
+REJECTING = r"""
+import json, logging, sys
+import torch
+import torch._inductor
+from torch._inductor import cpu_vec_isa
+import piecewise as pw
+from piecewise.compilers import isa_record as I
+from piecewise.models.toy import ToyTransformer
+
+# a compiler that builds no vector ISA: its probe answers none, and a kernel build with one fails
+cpu_vec_isa.VecISA.check_build = lambda self, code: False
+failed = []
+orig = torch._inductor.standalone_compile
+def standalone_compile(*args, **kwargs):
+    picked = str(cpu_vec_isa.pick_vec_isa())
+    if picked != "INVALID_VEC_ISA":
+        failed.append(picked)
+        raise RuntimeError(f"g++: error: unrecognized command-line option for {picked}")
+    return orig(*args, **kwargs)
+torch._inductor.standalone_compile = standalone_compile
+warnings = []
+class H(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING:
+            warnings.append(record.getMessage())
+logging.getLogger("piecewise").addHandler(H())
+cm = pw.compile(ToyTransformer(1, dim=8), pw.CompilationConfig(backend="inductor", cache_dir=sys.argv[1]),
+                dynamic_arg_dims={"x": 0})
+x = torch.randn(5, 8)
+ok = torch.allclose(cm(x), cm.module(x), rtol=1.3e-6, atol=1e-5)
+print(json.dumps({"equal": ok, "failed": failed, "source": I.answer_source(), "warnings": warnings,
+                  "valid": [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]}))
+"""
+
+
+def test_a_compiler_that_rejects_the_assumed_isa_is_probed_and_the_piece_compiled_again(tmp_path):
+    import platform
+
+    root = tmp_path / "rejecting"
+
+    def run():
+        p = subprocess.run([sys.executable, "-c", REJECTING, str(root)], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["equal"] and first["valid"] == []
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return  # no vector ISA is assumed off x86 and Linux aarch64 without the flags
+    assert len(first["failed"]) == 1 and first["source"] == "probed"
+    assert any("vector ISA" in w for w in first["warnings"])
+    with open(_record(root)) as f:
+        assert json.load(f)["valid_vec_isa"] == []
+    # the next process takes the recorded probe over the assumption: no failed build
+    again = run()
+    assert again["equal"] and again["failed"] == [] and again["source"] == "record" and again["valid"] == []
+
+
+def test_the_probe_threads_import_nothing_beyond_probe_modules(tmp_path):
     """Two threads importing torch's modules at once can fail a circular import in one of them, so
-    start_probe imports what the probe needs first, and the probe thread imports no module."""
-    code = r'''
-import json, sys
+    `probe` imports `PROBE_MODULES` on its caller first: with those imported, probing imports no
+    module."""
+    code = r"""
+import importlib, json, sys
 import torch
 import piecewise.compilers.inductor
 from piecewise.compilers import isa_record as I
-seen = {}
-orig = I.probe
-def probe(root):
-    before = set(sys.modules)
-    orig(root)
-    seen["new"] = sorted(set(sys.modules) - before)
-I.probe = probe
-I.start_probe(None)
-I.wait_for_probe()
-print(json.dumps(seen))
-'''
+for name in I.PROBE_MODULES:
+    importlib.import_module(name)
+before = set(sys.modules)
+I.probe(None)
+print(json.dumps({"new": sorted(set(sys.modules) - before)}))
+"""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -53,11 +53,6 @@ class CompilerAdaptor(abc.ABC):
         a chance to start per-process setup in the background, or to reuse what an earlier process
         recorded under the cache `root` (None: no cache). Default: nothing."""
 
-    def record_for_load(self, root: str) -> None:
-        """Called after a cold start saved its warm-start bundle under the cache `root`: record
-        what this process learned that `prepare` of a later process can reuse. Default:
-        nothing."""
-
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         """Rebuild a callable from `CompiledPiece.payload`. Adaptors that save nothing never
         receive this call."""

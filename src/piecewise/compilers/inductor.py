@@ -49,6 +49,7 @@ class InductorAdaptor(CompilerAdaptor):
         self.config_patches: dict[str, Any] = dict(config.inductor_options)
         self.passes = PostGradPassManager.from_config(config)
         self._hash: str | None = None
+        self._root: str | None = None  # the cache root `prepare` was given (where an ISA probe is recorded)
 
     def compute_hash(self) -> str:
         if self._hash is None:
@@ -75,26 +76,17 @@ class InductorAdaptor(CompilerAdaptor):
         return True
 
     def compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget) -> CompiledPiece:
-        from torch._inductor import standalone_compile
-
-        options = {"config_patches": self._patches_for(target)}
-        isa_record.wait_for_probe()  # a probe started by `prepare`: never evaluated twice at once
         try:
-            if target.size is not None:
-                if _takes_fake_mode(standalone_compile):
-                    inputs, fake_mode = _static_inputs(example_inputs, target.size, target.symbol)
-                    art = standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs", options=options,
-                                             aot=True, fake_mode=fake_mode)
-                else:  # torch 2.11 makes its own fake mode: hand it real (uninitialised) inputs
-                    inputs, _ = _static_inputs(example_inputs, target.size, target.symbol, fake=False)
-                    art = standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs", options=options,
-                                             aot=True)
-            else:
-                art = standalone_compile(
-                    graph, list(example_inputs), dynamic_shapes="from_tracing_context", options=options, aot=True
-                )
+            art = self._standalone_compile(graph, example_inputs, target)
         except Exception as e:
-            raise CompileError(f"Inductor failed to compile a piece for {target.label}: {type(e).__name__}: {e}") from e
+            if not isa_record.probe_if_assumed(self._root):
+                raise CompileError(f"Inductor failed to compile a piece for {target.label}: {type(e).__name__}: {e}") from e
+            # the compiler rejected the vector ISA assumed from the CPU's flags; its probe answered otherwise
+            try:
+                art = self._standalone_compile(graph, example_inputs, target)
+            except Exception as e2:
+                raise CompileError(f"Inductor failed to compile a piece for {target.label}: {type(e2).__name__}: "
+                                   f"{e2}") from e2
         try:
             payload = art.serialize()
         except Exception as e:  # unserialisable graph: still usable, just not cached
@@ -102,6 +94,21 @@ class InductorAdaptor(CompilerAdaptor):
                      type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             payload = None
         return CompiledPiece(art, payload)
+
+    def _standalone_compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget) -> Any:
+        from torch._inductor import standalone_compile
+
+        options = {"config_patches": self._patches_for(target)}
+        if target.size is not None:
+            if _takes_fake_mode(standalone_compile):
+                inputs, fake_mode = _static_inputs(example_inputs, target.size, target.symbol)
+                return standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs", options=options, aot=True,
+                                          fake_mode=fake_mode)
+            # torch 2.11 makes its own fake mode: hand it real (uninitialised) inputs
+            inputs, _ = _static_inputs(example_inputs, target.size, target.symbol, fake=False)
+            return standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs", options=options, aot=True)
+        return standalone_compile(graph, list(example_inputs), dynamic_shapes="from_tracing_context", options=options,
+                                  aot=True)
 
     def _patches_for(self, target: CompileTarget) -> dict[str, Any]:
         """The Inductor config patches of one compile: ours plus the pass manager for `target`."""
@@ -113,43 +120,29 @@ class InductorAdaptor(CompilerAdaptor):
         return patches
 
     def prepare(self, device: str, root: str | None = None) -> None:
-        """Overlap or skip the one-time, per-process work the first compile or artifact load
-        waits on.
+        """Settle, before the trace or the first artifact load, the one-time per-process work the
+        first compile or load would otherwise wait on.
 
-        Inductor's CPU vector-ISA probe builds and dlopens a test library per ISA in child
-        processes (~1.0 s serially on a 2-core machine). Its answer is recorded under the cache
-        `root` (`piecewise.compilers.isa_record`), and a later process with the same key uses the
-        record instead of probing. Without a record the probes run in background threads, joined by
-        `compile` and `load`, and save one. Measured on 2 cores: a cold probe (no Inductor cache:
-        one g++ build and one dlopen child per ISA) takes 2.6 s, which now overlaps the Dynamo
-        trace and the first piece's lowering; with Inductor's build cached it is the 0.3-0.5 s of
-        dlopen children, which a record skips. The children slow this thread's imports from 0.72 s
-        to 1.3 s, so a record saves about 0.5 s of every warm start.
-        The probe is not started early when this adaptor's config patches set
-        ``cpp.vec_isa_ok`` or ``cpp.simdlen``: Inductor memoises the first answer per process, so
-        it must be evaluated under those patches, inside the compile.
-        This thread imports the Inductor runtime modules generated code imports (~0.7 s, holding
-        the GIL, so there is nothing to gain from a second thread for them)."""
+        - Inductor's CPU vector-ISA question is answered from the CPU's flags without a test build
+          (`piecewise.compilers.isa_record.assume`; a compile that then fails probes the compiler
+          and compiles again). Inductor's own probe built and dlopened a test library per ISA:
+          measured on this repository's 2-core machine, 2.8 s of a cold start on a cold Inductor
+          cache (2.4 s of g++, 0.4 s of a child Python) and 0.4 s with a warm one, in every process.
+          Not when this adaptor's config patches set ``cpp.vec_isa_ok`` or ``cpp.simdlen``:
+          Inductor memoises its first answer per process, so it must be given under those patches,
+          inside the compile.
+        - This thread imports the Inductor runtime modules generated code imports (~0.7 s)."""
+        self._root = root
         if device == "cpu" and not _patches_isa(self.config_patches):
-            isa_record.start_probe(root)
+            isa_record.assume(root)
         import importlib
 
         for name in _RUNTIME_MODULES:
             importlib.import_module(name)
 
-    def record_for_load(self, root: str) -> None:
-        """Save the CPU ISA probe's answer if this process's compiles evaluated it (so the first
-        warm start already skips the probe)."""
-        from torch._inductor import cpu_vec_isa
-
-        fn = cpu_vec_isa.valid_vec_isa_list
-        if not getattr(fn, "recorded", False) and fn.cache_info().currsize:
-            isa_record.save(root, fn())
-
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
 
-        isa_record.wait_for_probe()
         fn = AOTCompiledArtifact.deserialize(payload)
         # A loaded artifact returns its outputs as a list; the piece's graph may return one value.
         if _returns_single_value(graph):
