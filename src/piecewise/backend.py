@@ -23,6 +23,7 @@ import torch.fx
 from torch._dispatch.python import enable_python_dispatcher
 
 from .cache.key import KEY_FORMAT, compute_key, diff_factors, env_factors, input_signature, source_factors
+from .cache.remote import claim_or_wait, remote_cache, remote_url
 from .cache.store import CacheEntry, current_rank, resolve_root
 from .compilers import CompiledPiece, CompilerAdaptor, get_adaptor
 from .compilers.inductor import dispatch_symbol
@@ -42,6 +43,11 @@ from .targets import CompileTarget
 __all__ = ["PiecewiseBackend", "StitchedForward", "dynamo_backend"]
 
 log = logging.getLogger("piecewise")
+
+
+def remote_tier(config: CompilationConfig) -> Any:
+    """The remote tier `config` names (its ``remote_cache`` or ``PIECEWISE_REMOTE_CACHE``), or None."""
+    return remote_cache(remote_url(config.remote_cache), config.remote_connect_timeout_ms, config.remote_io_timeout_ms)
 
 
 class PiecewiseBackend:
@@ -123,13 +129,18 @@ class PiecewiseBackend:
         self.timings["split"] = time.perf_counter() - t0
         self.timings["cache_load"] = 0.0
         fake_mode, fake_inputs = _fake_inputs(example_inputs)
-        self.cache = self._open_cache(graph_hash, fake_inputs, split)
-        t0 = time.perf_counter()
-        self.result = self._compile(split, fake_mode, fake_inputs)
-        self.timings["compile"] = time.perf_counter() - t0 - self.timings["cache_load"]
-        self.graph_code = render_split_graph(split)
-        if self.cache is not None and (self.cache.saved or self.cache.index is None):
-            self.cache.commit(self._cache_meta, self.factors, self.graph_code)
+        self._lease = None
+        try:
+            self.cache = self._open_cache(graph_hash, fake_inputs, split)
+            t0 = time.perf_counter()
+            self.result = self._compile(split, fake_mode, fake_inputs)
+            self.timings["compile"] = time.perf_counter() - t0 - self.timings["cache_load"]
+            self.graph_code = render_split_graph(split)
+            if self.cache is not None and (self.cache.saved or self.cache.index is None):
+                self.cache.commit(self._cache_meta, self.factors, self.graph_code)
+        finally:
+            if self._lease is not None:
+                self._lease.release()
         log.info(
             "[%s] %d pieces (%d compiled, %d distinct) split in %.3fs, compiled in %.3fs with %s",
             self.tag, len(split.items), len(self.runners), len({r.fingerprint for r in self.runners}),
@@ -170,7 +181,7 @@ class PiecewiseBackend:
         if root is None:
             return None
         key = compute_key(self.factors)
-        entry = CacheEntry(root, key, self.tag, rank=current_rank())
+        entry = CacheEntry(root, key, self.tag, rank=current_rank(), remote=remote_tier(self.config))
         self._cache_meta = {
             "num_pieces": len(split.items),
             "num_compiled": len(split.items) - split.num_splitting,
@@ -183,6 +194,12 @@ class PiecewiseBackend:
         else:
             counters.bump("cache_misses", tag=self.tag)
             explain_miss(root, self.tag, self.factors, entry.path)
+            if entry.remote is not None:
+                # compile once per fleet: take the entry's lease, or load what its holder publishes
+                self._lease = claim_or_wait(entry.remote, entry.root, entry.rel, lambda: entry.open(self._cache_meta))
+                if entry.index is not None:
+                    counters.bump("cache_hits", tag=self.tag)
+                    log.info("[%s] compile cache hit after another process's compile: %s", self.tag, entry.path)
         return entry
 
     def _split(self, gm: torch.fx.GraphModule) -> SplitResult:

@@ -1,6 +1,7 @@
-"""The ``piecewise`` command line: ``demo``, ``generate "prompt"``, ``bench`` and ``cache ls | show | verify | explain | clear |
-export | import``. Exit status 0 on success, 1 when ``verify`` finds a problem or the demo's outputs
-differ from eager, 2 on usage errors."""
+"""The ``piecewise`` command line: ``demo``, ``generate "prompt"``, ``bench`` and ``cache ls | show | verify | explain | clear | push | pull |
+export | import``. Exit status 0 on success, 1 when ``verify`` finds a problem, ``push`` / ``pull``
+do not move every entry (or the remote does not answer) or the demo's outputs differ from eager, 2
+on usage errors."""
 
 from __future__ import annotations
 
@@ -55,8 +56,10 @@ def _cache(args: argparse.Namespace) -> int:
 
     from .cache import tools
 
-    root = _root(args)
     cmd = args.cache_command
+    if cmd in ("push", "pull") or (cmd == "ls" and getattr(args, "remote", None)):
+        return _remote(args, cmd)
+    root = _root(args)
     if cmd == "ls":
         entries = tools.list_entries(root)
         print(f"{root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
@@ -106,6 +109,38 @@ def _cache(args: argparse.Namespace) -> int:
     raise AssertionError(cmd)
 
 
+def _remote(args: argparse.Namespace, cmd: str) -> int:
+    """``cache push | pull | ls --remote URL``: copy every local entry to Redis, every Redis entry
+    into the local root, or list Redis's entries with what this process's key makes of each."""
+    from .cache import remote as R
+    from .cache import tools
+
+    url = R.remote_url(args.remote)
+    if not url:
+        raise SystemExit(f"cache {cmd} needs --remote redis://host:port/db (or PIECEWISE_REMOTE_CACHE)")
+    tier = R.RemoteCache(url, connect_timeout_ms=1000, io_timeout_ms=10_000)
+    if not tier.available():
+        print(f"error: the remote cache {url} does not answer")
+        return 1
+    if cmd == "ls":
+        rels = list(tier.entries())
+        print(f"{url}: {len(rels)} entr{'y' if len(rels) == 1 else 'ies'}")
+        for rel in rels:
+            print(f"  {rel}  {tier.status(rel)}")
+        return 0
+    root = _root(args)
+    if cmd == "push":
+        rels = [rel for rel, _ in tools.entry_dirs(root)]
+        n = sum(tier.publish(root, rel) for rel in rels)
+        print(f"pushed {n} of {len(rels)} entr{'y' if len(rels) == 1 else 'ies'} from {root} to {url}"
+              f"{'' if R.load_key() else ' unsigned (no PIECEWISE_CACHE_KEY)'}")
+        return 0 if n == len(rels) else 1
+    rels = list(tier.entries())
+    n = sum(tier.pull(root, rel) for rel in rels)
+    print(f"pulled {n} of {len(rels)} entr{'y' if len(rels) == 1 else 'ies'} from {url} into {root}")
+    return 0 if n == len(rels) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="piecewise", description="piecewise compilation tools")
     p.add_argument("-v", "--verbose", action="store_true", help="log compile phases (logger 'piecewise')")
@@ -146,7 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     def cache_cmd(name: str, help: str) -> argparse.ArgumentParser:
         return cs.add_parser(name, help=help, parents=[root_after])
 
-    cache_cmd("ls", "list entries")
+    remote_help = "Redis URL of the remote tier (default: PIECEWISE_REMOTE_CACHE)"
+    ls = cache_cmd("ls", "list entries (of the remote tier with --remote)")
+    ls.add_argument("--remote", help=remote_help)
+    cache_cmd("push", "publish every local entry to the remote tier").add_argument("--remote", help=remote_help)
+    cache_cmd("pull", "copy every remote entry this process trusts into the local root").add_argument(
+        "--remote", help=remote_help)
     sh = cache_cmd("show", "one entry's artifacts and key factors")
     sh.add_argument("entry", help="key, key prefix, key/tag, key/rank_r_d/tag or a path")
     cache_cmd("verify", "check every index and artifact checksum; exit 1 on a problem")

@@ -22,6 +22,8 @@ __all__ = ["CompilationConfig", "CompileRange", "MODES", "CUDAGRAPH_MODES"]
 
 MODES = ("none", "full", "piecewise")
 CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
+#: URL schemes of `CompilationConfig.remote_cache` (the `redis` client's)
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 #: how the trace treats dims marked dynamic (`CompilationConfig.dynamic_shapes`)
 DYNAMIC_SHAPES = ("backed_size_oblivious", "backed", "unbacked")
 
@@ -120,6 +122,13 @@ class CompilationConfig:
             capped by the model's ``max_position_embeddings``. The cache is allocated on the first
             ``generate()`` call: ``2 x layers x max_num_seqs x kv_heads x max_model_len x head_dim``
             elements in the model's dtype.
+        remote_cache: a Redis URL (``redis://host:port/db``, ``rediss://...``,
+            ``unix:///path?db=N``) shared by a fleet as the compile cache's remote tier
+            (`piecewise.cache.remote`); ``None`` means ``PIECEWISE_REMOTE_CACHE`` or no remote
+            tier. Entries are signed with ``PIECEWISE_CACHE_KEY`` (docs/design.md §5.6). Not in
+            the cache key: it says where entries live, not what they hold.
+        remote_connect_timeout_ms / remote_io_timeout_ms: bounds on one Redis connect (100 ms)
+            and one read or write (1000 ms); a call past them rests the tier for 30 s.
 
     Raises:
         ConfigError: on any invalid field, naming it and the remedy.
@@ -144,6 +153,9 @@ class CompilationConfig:
     debug: bool = False
     max_num_seqs: int = 8
     max_model_len: int = 1024
+    remote_cache: str | None = None
+    remote_connect_timeout_ms: int = 100
+    remote_io_timeout_ms: int = 1000
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -158,7 +170,11 @@ class CompilationConfig:
         w = self.cudagraph_num_warmups
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ConfigError(f"cudagraph_num_warmups={w!r} must be an integer >= 0 (eager runs before each capture)")
-        for name in ("max_num_tokens", "max_num_seqs", "max_model_len"):
+        if self.remote_cache is not None and (not isinstance(self.remote_cache, str)
+                                              or not self.remote_cache.startswith(REMOTE_SCHEMES)):
+            raise ConfigError(f"remote_cache={self.remote_cache!r} must be a Redis URL: redis://host:port/db, "
+                              "rediss://host:port/db or unix:///path/to/socket?db=N")
+        for name in ("max_num_tokens", "max_num_seqs", "max_model_len", "remote_connect_timeout_ms", "remote_io_timeout_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")

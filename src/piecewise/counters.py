@@ -45,6 +45,11 @@ class _Tally:
     padding_refusals: int = 0  # graphs turned off: padding a call changed its real rows (graphs.dispatch)
     graph_replays: int = 0
     eager_above_capture: int = 0  # calls above the largest capture size
+    remote_pulls: int = 0  # entries copied from the remote tier into the local store
+    remote_publishes: int = 0  # entries published to the remote tier
+    remote_rejects: int = 0  # remote entries or artifacts refused (signature, sha256, format)
+    remote_errors: int = 0  # failed calls to the remote tier (each rests it; see cache.remote.REST_S)
+    remote_waits: int = 0  # compiles that waited for another process's compile lease
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(_Tally))

@@ -59,7 +59,7 @@ import torch
 import filelock
 
 from ._version import __version__
-from .backend import PiecewiseBackend
+from .backend import PiecewiseBackend, remote_tier
 from .cache.key import KEY_FORMAT, compute_key, diff_factors, env_factors, file_hashes
 from .cache.store import (FACTORS, INDEX, LOCK, CacheEntry, CacheIndexError, check_permissions, current_rank, env_flag,
                           read_index, remove_tree, resolve_root)
@@ -440,6 +440,8 @@ class WarmStart:
         self.rank = current_rank()
         self.rank_dir = f"rank_{self.rank}_0"
         self.factors = factors
+        #: the remote tier bundles and their compile entries are pulled from and published to
+        self.remote = remote_tier(subject.config)
         #: the bundle entry that served this start (None: none did)
         self.entry: Any = None
         self.fast: Any = None
@@ -490,8 +492,13 @@ class WarmStart:
     def _candidates(self) -> list[Any]:
         """The opened bundle entries of this start key, most recently saved or used first."""
 
+        found = bundle_entries(self.root, self.tag, self.rank_dir, key_glob=f"{self.key}-*")
+        if not found and self.remote is not None:  # read through: the fleet's bundles of this start key
+            for rel in self.remote.bundle_rels(self.rank_dir, self.tag, prefix=f"{self.key}-"):
+                CacheEntry(self.root, rel.split("/")[0], self.tag, rank=self.rank, remote=self.remote).open(None)
+            found = bundle_entries(self.root, self.tag, self.rank_dir, key_glob=f"{self.key}-*")
         out = []
-        for _, path in bundle_entries(self.root, self.tag, self.rank_dir, key_glob=f"{self.key}-*"):
+        for _, path in found:
             entry = CacheEntry(self.root, os.path.basename(os.path.dirname(os.path.dirname(path))), self.tag, rank=self.rank)
             if entry.open(None):
                 out.append(entry)
@@ -538,7 +545,7 @@ class WarmStart:
         plan = body["plan"]
         if not isinstance(plan, CompiledPlan) or plan.cache_key != entry.index["meta"].get("compile_key"):
             raise ValueError("the bundle and its index name different compile entries")
-        compile_entry = CacheEntry(entry.root, plan.cache_key, self.tag, rank=self.rank)
+        compile_entry = CacheEntry(entry.root, plan.cache_key, self.tag, rank=self.rank, remote=self.remote)
         if not compile_entry.open(dict(plan.cache_meta or {})):
             return f"its compile entry {plan.cache_key} is gone"
         try:
@@ -604,6 +611,7 @@ class WarmStart:
         key = f"{self.key}-{bundle_variant(sources, modules, cap.global_values)}"
         entry = CacheEntry(self.root, key, self.tag, rank=self.rank)
         entry.open(None)  # permissions (an unsafe directory is neither read nor written)
+        entry.remote = self.remote  # published at its commit (not pulled: this process writes it)
         if entry.writable and entry.save_artifact(BUNDLE, data):
             meta = {"kind": "bundle", "compile_key": plan.cache_key, "device": plan.device}
             entry.commit(meta, self.factors, backend.graph_code)

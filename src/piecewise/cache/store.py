@@ -37,7 +37,8 @@ from ..errors import CacheError
 from ..fingerprint import canonical_json, data_digest
 from .key import KEY_FORMAT
 
-__all__ = ["INDEX_FORMAT", "resolve_root", "atomic_write", "CacheEntry", "check_permissions", "read_index", "CacheIndexError"]
+__all__ = ["INDEX_FORMAT", "resolve_root", "atomic_write", "CacheEntry", "check_permissions", "read_index", "parse_index",
+           "CacheIndexError"]
 
 log = logging.getLogger("piecewise")
 
@@ -188,6 +189,15 @@ def read_index(path: str) -> dict[str, Any]:
     """
     with open(path, "rb") as f:
         raw = f.read()
+    return parse_index(raw)
+
+
+def parse_index(raw: bytes) -> dict[str, Any]:
+    """Validate index bytes as data only (`read_index` without the file).
+
+    Raises:
+        CacheIndexError: not a valid piecewise index.
+    """
     try:
         idx = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -218,8 +228,11 @@ class CacheEntry:
     raises into the model.
     """
 
-    def __init__(self, root: str, key: str, tag: str, rank: int = 0, dp_rank: int = 0) -> None:
+    def __init__(self, root: str, key: str, tag: str, rank: int = 0, dp_rank: int = 0, remote: Any = None) -> None:
         self.root = root
+        #: the remote tier (`piecewise.cache.remote.RemoteCache`) a local miss reads through and a
+        #: commit publishes to; None: local only
+        self.remote = remote
         self.key = key
         self.tag = tag
         self.rel = "/".join((key, f"rank_{rank}_{dp_rank}", tag))
@@ -240,7 +253,12 @@ class CacheEntry:
                         "compiling in memory. Fix the permissions (chmod go-w) or choose another cache_dir")
             return False
         try:
-            idx = read_index(os.path.join(self.path, INDEX))
+            try:
+                idx = read_index(os.path.join(self.path, INDEX))
+            except (FileNotFoundError, NotADirectoryError):
+                if self.remote is None or not self.remote.pull(self.root, self.rel):
+                    raise
+                idx = read_index(os.path.join(self.path, INDEX))  # read through: written locally, then read as local
         except (FileNotFoundError, NotADirectoryError):
             return False
         except CacheIndexError as e:
@@ -362,8 +380,12 @@ class CacheEntry:
                 atomic_write(os.path.join(self.path, INDEX), encode_index(json.loads(canonical_json(idx))))
         except OSError as e:
             self._disable_writes(e)
+            return
         except filelock.Timeout as e:  # pragma: no cover - FileLock has no timeout by default
             log.warning("[%s] cache lock timed out (%s); entry index not updated", self.tag, e)
+            return
+        if self.remote is not None:
+            self.remote.publish(self.root, self.rel)
 
 
 def remove_tree(path: str) -> None:

