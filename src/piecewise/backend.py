@@ -24,7 +24,7 @@ from torch._dispatch.python import enable_python_dispatcher
 
 from .cache.key import KEY_FORMAT, compute_key, diff_factors, env_factors, input_signature, source_factors
 from .cache.remote import claim_or_wait, remote_cache, remote_url
-from .cache.store import CacheEntry, current_rank, resolve_root
+from .cache.store import CacheEntry, current_rank, resolve_root, shares_across_ranks
 from .compilers import CompiledPiece, CompilerAdaptor, get_adaptor
 from .compilers.inductor import dispatch_symbol
 from .config import CompilationConfig
@@ -129,7 +129,7 @@ class PiecewiseBackend:
         self.timings["split"] = time.perf_counter() - t0
         self.timings["cache_load"] = 0.0
         fake_mode, fake_inputs = _fake_inputs(example_inputs)
-        self._lease = None
+        self._lease = self._rank_lock = None
         try:
             self.cache = self._open_cache(graph_hash, fake_inputs, split)
             t0 = time.perf_counter()
@@ -141,6 +141,8 @@ class PiecewiseBackend:
         finally:
             if self._lease is not None:
                 self._lease.release()
+            if self._rank_lock is not None:
+                self._rank_lock.release()
         log.info(
             "[%s] %d pieces (%d compiled, %d distinct) split in %.3fs, compiled in %.3fs with %s",
             self.tag, len(split.items), len(self.runners), len({r.fingerprint for r in self.runners}),
@@ -169,6 +171,7 @@ class PiecewiseBackend:
             "env": env_factors(),
             "config": self.config.code_factors(),
             "compiler": {"name": self.adaptor.name, "hash": self.adaptor.compute_hash()},
+            "machine": self.adaptor.machine_factors(),
             "splitting_ops": sorted(self.split_ops),
             "sources": source_factors(self.traced_files),
             "inputs": input_signature(example_inputs, self.call_signature),
@@ -194,7 +197,10 @@ class PiecewiseBackend:
         else:
             counters.bump("cache_misses", tag=self.tag)
             explain_miss(root, self.tag, self.factors, entry.path)
-            if entry.remote is not None:
+            if shares_across_ranks():
+                # ranks of one job compile one at a time; the later ones load the first one's pieces
+                self._rank_lock = entry.rank_compile_lock()
+            if entry.remote is not None and not (self._rank_lock is not None and entry.sibling_indexes()):
                 # compile once per fleet: take the entry's lease, or load what its holder publishes
                 self._lease = claim_or_wait(entry.remote, entry.root, entry.rel, lambda: entry.open(self._cache_meta))
                 if entry.index is not None:
@@ -373,6 +379,8 @@ class PiecewiseBackend:
         t0 = time.perf_counter()
         try:
             payload = self.cache.load_artifact(name)
+            if payload is None and shares_across_ranks():
+                payload = self.cache.sibling_artifact(name)
             if payload is None:
                 return None
             try:

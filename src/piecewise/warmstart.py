@@ -206,6 +206,7 @@ def start_factors(backend: Any, module: torch.nn.Module, call_signature: list[An
         "env": env_factors(),
         "config": backend.config.code_factors(),
         "compiler": {"name": backend.adaptor.name, "hash": backend.adaptor.compute_hash()},
+        "machine": backend.adaptor.machine_factors(),
         "splitting_ops": sorted(backend.split_ops),
         "forward": f"{fwd.__module__}.{fwd.__qualname__}",
         # what a decorated forward closes over (values included: a decorator argument changes the graph)
@@ -466,6 +467,7 @@ class WarmStart:
         t0 = time.perf_counter()
         call = list(subject.call_signature)
         backend = PiecewiseBackend(config, subject.tag, call_signature=call)
+        backend.prepare([*args, *kwargs.values()])  # settles what machine_factors reads (Inductor's ISA)
         factors = start_factors(backend, subject.module, call)
         start = cls(subject, root, start_key(factors), factors)
         start.phases["key"] = time.perf_counter() - t0
@@ -494,7 +496,9 @@ class WarmStart:
 
         found = bundle_entries(self.root, self.tag, self.rank_dir, key_glob=f"{self.key}-*")
         if not found and self.remote is not None:  # read through: the fleet's bundles of this start key
-            for rel in self.remote.bundle_rels(self.rank_dir, self.tag, prefix=f"{self.key}-"):
+            from .cache.remote import BUNDLES_PULLED
+
+            for rel in self.remote.bundle_rels(self.rank_dir, self.tag, prefix=f"{self.key}-")[:BUNDLES_PULLED]:
                 CacheEntry(self.root, rel.split("/")[0], self.tag, rank=self.rank, remote=self.remote).open(None)
             found = bundle_entries(self.root, self.tag, self.rank_dir, key_glob=f"{self.key}-*")
         out = []

@@ -243,9 +243,9 @@ def test_a_killed_compilers_lease_expires_and_a_waiter_compiles(redis, server, t
     try:
         assert holder.stdout.readline().strip() == "held"
         waiter.start()
-        # kill the holder once the waiter polls the lease (Redis counts its EXISTS calls)
+        # kill the holder once the waiter polls the lease (Redis counts its PTTL calls)
         deadline = time.monotonic() + 240
-        while redis.info("commandstats").get("cmdstat_exists", {}).get("calls", 0) == 0:
+        while redis.info("commandstats").get("cmdstat_pttl", {}).get("calls", 0) == 0:
             assert time.monotonic() < deadline and waiter.is_alive(), "the second process never waited"
             time.sleep(0.1)
         holder.send_signal(signal.SIGKILL)
@@ -306,3 +306,101 @@ def test_cli_push_pull_and_ls(redis, server, tmp_path):
     b = _run(tmp_path / "b", "", **env)
     assert b["counters"]["cache_hits"] == 1 and b["counters"]["compiler_invocations"] == 0
     assert a["counters"]["compiler_invocations"] > 0
+
+
+def test_a_keyed_reader_never_signs_what_it_pulled_unsigned(redis, server, tmp_path):
+    """Unsigned entries allowed in, the reader compiles an evicted piece and commits: its publish
+    would sign the unsigned writer's artifacts for strict readers, so it does not publish."""
+    env = {"PIECEWISE_DISABLE_BUNDLE": "1"}
+    _run(tmp_path / "w", server.url, key=None, **env)
+    key = _compile_entry(redis)
+    redis.delete(sorted(redis.scan_iter("pw:1:blob:*"))[0])
+    r = _run(tmp_path / "r", server.url, key=KEY, PIECEWISE_REMOTE_ALLOW_UNSIGNED="1", **env)
+    assert r["counters"]["remote_pulls"] == 1 and r["counters"]["compiler_invocations"] > 0
+    assert r["counters"]["remote_publishes"] == 0 and redis.get(key).startswith(b"PWR1 -\n")
+    strict = _run(tmp_path / "s", server.url, key=KEY, **env)
+    assert strict["counters"]["remote_rejects"] >= 1 and strict["counters"]["compiler_invocations"] > 0
+
+
+def test_an_unchanged_entry_is_published_without_uploading_its_artifacts_again(redis, server, tmp_path):
+    env = {"PIECEWISE_DISABLE_BUNDLE": "1"}
+    _run(tmp_path / "a", server.url, **env)
+    blobs = sorted(redis.scan_iter("pw:1:blob:*"))
+    assert len(blobs) > 1
+    redis.config_resetstat()
+    _run(tmp_path / "b", server.url, **env)
+    # b loaded everything: nothing to commit, nothing published, no artifact written
+    assert redis.info("commandstats").get("cmdstat_set", {}).get("calls", 0) == 0
+    # a damaged artifact is dropped by the reader that finds it and written again by its publish
+    redis.set(blobs[0], b"tampered")
+    c = _run(tmp_path / "c", server.url, **env)
+    assert c["counters"]["remote_rejects"] == 1 and c["counters"]["remote_publishes"] == 1
+    import hashlib
+
+    assert hashlib.sha256(redis.get(blobs[0])).hexdigest() == blobs[0].decode().rsplit(":", 1)[1]
+
+
+@pytest.mark.parametrize("where", ["entry", "lease"])
+def test_a_key_of_the_wrong_type_is_a_miss_not_an_outage(redis, server, tmp_path, where):
+    env = {"PIECEWISE_DISABLE_BUNDLE": "1", "PIECEWISE_REMOTE_WAIT_S": "120"}
+    probe = _run(tmp_path / "probe", server.url, **env)
+    rel = _compile_entry(redis)[len("pw:1:entry:"):]
+    redis.flushall()
+    redis.rpush(f"pw:1:{where}:{rel}", b"x")  # a list where a string belongs
+    r = _run(tmp_path / "b", server.url, **env)
+    assert r["counters"]["remote_errors"] == 0 and r["counters"]["remote_waits"] == 0
+    assert r["counters"]["compiler_invocations"] == probe["counters"]["compiler_invocations"]
+    assert redis.type(f"pw:1:entry:{rel}") == b"string"  # published over it
+
+
+def test_entry_names_that_leave_the_root_are_ignored(redis, server, tmp_path):
+    from piecewise.cache.remote import make_envelope
+
+    rel = "../../escaped/rank_0_0/x"
+    redis.set(f"pw:1:entry:{rel}", make_envelope({"rel": rel, "index": {}, "files": {"computation_graph.py": "x"}}, None))
+    env = dict(os.environ, PIECEWISE_REMOTE_ALLOW_UNSIGNED="1")
+    root = tmp_path / "deep" / "er" / "root"
+    p = subprocess.run([sys.executable, "-m", "piecewise.cli", "cache", "pull", "--remote", server.url, "--root", str(root)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "pulled 0 of 0" in p.stdout, p.stdout + p.stderr
+    assert not (tmp_path / "deep" / "escaped").exists()
+
+
+def test_a_reply_trickled_byte_by_byte_is_cut_off_at_the_call_budget(tmp_path):
+    """redis-py's socket timeout bounds each read; a server that sends one byte every 0.3 s never
+    trips it. The whole call is bounded instead (connect + I/O budget), once per rest period."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    stop = threading.Event()
+
+    def serve(conn):
+        try:
+            conn.recv(65536)
+            for b in b"$100000\r\n" + b"x" * 1000:
+                if stop.is_set():
+                    break
+                conn.sendall(bytes([b]))
+                time.sleep(0.3)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        r = _run(tmp_path / "a", f"redis://127.0.0.1:{listener.getsockname()[1]}/0")
+    finally:
+        stop.set()
+        t.join()
+        listener.close()
+    assert r["counters"]["remote_errors"] == 1 and r["counters"]["compiler_invocations"] > 0

@@ -244,3 +244,25 @@ print(json.dumps({"new": sorted(set(sys.modules) - before)}))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.strip().splitlines()[-1]) == {"new": []}
+
+
+def test_the_cpu_vector_isa_is_in_the_cache_key(monkeypatch, tmp_path):
+    """Kernels built for one ISA must miss on a machine with another (a shared Redis tier or a
+    copied root): the picked ISA and its compiler flags are key factors, in both keys."""
+    import torch
+    from torch._inductor import cpu_vec_isa
+
+    import piecewise as pw
+    from piecewise.compilers.inductor import InductorAdaptor
+    from piecewise.models.toy import ToyTransformer
+
+    cm = pw.compile(ToyTransformer(1, dim=8), pw.CompilationConfig(backend="inductor", cache_dir=str(tmp_path)),
+                    dynamic_arg_dims={"x": 0})
+    cm(torch.randn(3, 8))
+    here = cm.backend.factors["machine"]["cpu_vec_isa"]
+    assert here["isa"] == str(cpu_vec_isa.pick_vec_isa())
+    adaptor = InductorAdaptor(pw.CompilationConfig())
+    assert adaptor.machine_factors()["cpu_vec_isa"] == here
+    other = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) != here["isa"])
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: other)
+    assert adaptor.machine_factors()["cpu_vec_isa"]["isa"] == str(other)

@@ -60,6 +60,11 @@ REMOTE_FORMAT = 1
 LEASE_MS = 15_000
 #: after a failed call the tier is not tried again for this long (seconds)
 REST_S = 30.0
+#: calls in a row that each take over half their time budget before the tier rests
+SLOW_CALLS = 3
+#: warm-start bundles of a start key pulled from Redis at most (newest first), and kept listed per tag
+BUNDLES_PULLED = 3
+BUNDLES_LISTED = 8
 #: longest wait for another process's compile of the same entry before compiling here (seconds);
 #: PIECEWISE_REMOTE_WAIT_S overrides
 WAIT_S = 1800.0
@@ -136,6 +141,38 @@ def parse_envelope(raw: bytes, rel: str, key: bytes | None, allow_unsigned: bool
     return body, ""
 
 
+def _key_level(e: BaseException) -> bool:
+    """A server error reply about one key (WRONGTYPE, a bad script argument), as opposed to the
+    server failing (connection, timeout, out of memory, read-only replica)."""
+    try:
+        import redis
+    except ImportError:
+        return False
+    full = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+    # inside a script, a full server answers a generic error that names OOM
+    return (isinstance(e, redis.exceptions.ResponseError) and not isinstance(e, full)
+            and "OOM" not in str(e) and "maxmemory" not in str(e))
+
+
+def valid_rel(rel: str) -> bool:
+    """Whether `rel` has the shape of a local entry path, ``<key>/rank_<r>_<d>/<tag>``, with no
+    part that could leave the cache root (entry names come from Redis key names)."""
+    import re
+
+    parts = rel.split("/")
+    return (len(parts) == 3 and re.fullmatch(r"[0-9a-f][0-9a-f-]*", parts[0]) is not None
+            and re.fullmatch(r"rank_\d+_\d+", parts[1]) is not None
+            and bool(parts[2]) and not parts[2].startswith(".") and "\\" not in parts[2] and "\x00" not in parts[2])
+
+
+def _signed_by(raw: bytes, key: bytes | None) -> bool:
+    """Whether envelope `raw` carries a valid signature under `key`."""
+    if key is None or not raw.startswith(_MAGIC) or b"\n" not in raw:
+        return False
+    head, data = raw[len(_MAGIC):].split(b"\n", 1)
+    return head != b"-" and hmac.compare_digest(hmac.new(key, data, hashlib.sha256).hexdigest().encode(), head)
+
+
 class RemoteCache:
     """One Redis server as the remote tier (module doc). Methods never raise: a Redis failure is
     reported once, rests the tier for `REST_S`, and reads as a miss."""
@@ -147,6 +184,7 @@ class RemoteCache:
         self.prefix = f"pw:{REMOTE_FORMAT}:"
         self._client: Any = None
         self._resting_until = 0.0
+        self._slow = 0
         self._lock = threading.Lock()
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -164,20 +202,63 @@ class RemoteCache:
         return self._client
 
     def _call(self, what: str, fn: Callable[[Any], Any], default: Any = None) -> Any:
-        """Run `fn(client)`; on any Redis or socket failure report once, rest, return `default`."""
+        """Run `fn(client)` within ``io_timeout_ms`` in total (redis-py's socket timeout bounds each
+        read, not a reply trickled byte by byte, so the call runs in a daemon thread and is
+        abandoned, its connections closed, at the deadline). A failure or an overrun is reported
+        once, rests the tier for `REST_S` and returns `default`; so do `SLOW_CALLS` calls in a row
+        that each take over half the budget. A reply the server sends as an error about one key
+        (WRONGTYPE, say) is reported once and returns `default` without resting the tier."""
         if time.monotonic() < self._resting_until:
             return default
-        try:
-            return fn(self._redis())
-        except Exception as e:  # redis.RedisError, OSError, a bad URL: all read as "remote unavailable"
-            from ..counters import counters
+        box: dict[str, Any] = {}
 
-            counters.bump("remote_errors")
-            self._resting_until = time.monotonic() + REST_S
-            report_once(f"remote:{self.url}:{type(e).__name__}",
-                        f"piecewise remote cache {self.url} failed to {what} ({type(e).__name__}: {e}); using the "
-                        f"local cache and compiling locally, retrying the remote in {REST_S:.0f} s")
+        def run() -> None:
+            try:
+                box["value"] = fn(self._redis())
+            except BaseException as e:  # handed to the caller's thread below
+                box["error"] = e
+
+        budget = self.io_timeout_ms / 1000 + self.connect_timeout_ms / 1000
+        t0 = time.monotonic()
+        worker = threading.Thread(target=run, name="piecewise-remote-call", daemon=True)
+        worker.start()
+        worker.join(budget)
+        took = time.monotonic() - t0
+        if worker.is_alive():
+            self._drop_connections()
+            return self._fail(what, TimeoutError(f"no complete reply within {budget * 1000:.0f} ms"), default)
+        e = box.get("error")
+        if e is None:
+            self._slow = self._slow + 1 if took > budget / 2 else 0
+            if self._slow >= SLOW_CALLS:
+                self._slow = 0
+                return self._fail(what, TimeoutError(f"{SLOW_CALLS} calls in a row took over half of "
+                                                     f"{budget * 1000:.0f} ms"), box.get("value"))
+            return box.get("value")
+        if _key_level(e):
+            report_once(f"remote-key:{self.url}:{what}", f"piecewise remote cache {self.url} refused to {what} "
+                        f"({type(e).__name__}: {e}); treating that key as missing")
             return default
+        return self._fail(what, e, default)
+
+    def _fail(self, what: str, e: BaseException, default: Any) -> Any:
+        from ..counters import counters
+
+        counters.bump("remote_errors")
+        self._resting_until = time.monotonic() + REST_S
+        report_once(f"remote:{self.url}:{type(e).__name__}",
+                    f"piecewise remote cache {self.url} failed to {what} ({type(e).__name__}: {e}); using the "
+                    f"local cache and compiling locally, retrying the remote in {REST_S:.0f} s")
+        return default
+
+    def _drop_connections(self) -> None:
+        """Close every pooled connection (unblocks an abandoned call); the next call reconnects."""
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.connection_pool.disconnect()
+            except Exception as e:  # closing a broken socket may itself fail; nothing more to do
+                log.debug("remote cache: closing connections failed (%s)", e)
 
     def resting(self) -> bool:
         """Whether a recent failure rests the tier (calls return their default without trying)."""
@@ -192,10 +273,14 @@ class RemoteCache:
         """Copy entry `rel` from Redis into the local store under `root` if Redis has a valid one;
         True when a local index was written. Artifacts missing from Redis (evicted) are left out of
         the local index, so those pieces compile here."""
-        raw = self._call("read an entry", lambda r: r.get(self.prefix + "entry:" + rel))
-        if raw is None:
+        if not valid_rel(rel):
+            self._reject(rel, "its name is not an entry path (<key>/rank_<r>_<d>/<tag>)")
             return False
-        body, why = parse_envelope(raw, rel, self.key, _allow_unsigned())
+        raw = self._call("read an entry", lambda r: r.get(self.prefix + "entry:" + rel))
+        if not isinstance(raw, bytes):
+            return False
+        key = self.key
+        body, why = parse_envelope(raw, rel, key, _allow_unsigned())
         if body is None:
             self._reject(rel, why)
             return False
@@ -220,7 +305,13 @@ class RemoteCache:
                     continue
                 if len(data) != rec["bytes"] or hashlib.sha256(data).hexdigest() != rec["sha256"]:
                     self._reject(rel, f"artifact {name} does not match its signed sha256")
+                    # a content-addressed value that does not hash to its name is wrong for everyone
+                    self._call("drop a damaged artifact", lambda r: r.delete(self.prefix + "blob:" + rec["sha256"]))
                     continue
+                if not _signed_by(raw, key):
+                    # accepted only because unsigned entries are allowed: never signed by this
+                    # process's publish later (that would launder it for strict readers)
+                    rec = {**rec, "unsigned": True}
                 path = os.path.join(root, *rec["file"].split("/"))
                 if not os.path.isfile(path):
                     make_dirs(os.path.dirname(path))
@@ -246,15 +337,19 @@ class RemoteCache:
     def bundle_rels(self, rank_dir: str, tag: str, prefix: str = "") -> list[str]:
         """Published warm-start bundle rels of `tag`, newest first, whose key starts with `prefix`."""
         rels = self._call("list bundles", lambda r: r.zrevrange(self.prefix + f"bundles:{rank_dir}/{tag}", 0, -1), []) or []
-        out = [x.decode() if isinstance(x, bytes) else str(x) for x in rels]
-        return [x for x in out if x.startswith(prefix)]
+        out = [x.decode(errors="replace") if isinstance(x, bytes) else str(x) for x in rels]
+        return [x for x in out if x.startswith(prefix) and valid_rel(x)]
 
     def entries(self) -> Iterator[str]:
         """Every published entry rel (SCAN: for operators, not the serving path)."""
         keys = self._call("list entries", lambda r: list(r.scan_iter(match=self.prefix + "entry:*", count=500)), []) or []
         n = len(self.prefix + "entry:")
         for k in sorted(keys):
-            yield (k.decode() if isinstance(k, bytes) else k)[n:]
+            rel = (k.decode(errors="replace") if isinstance(k, bytes) else k)[n:]
+            if valid_rel(rel):
+                yield rel
+            else:
+                log.warning("remote cache: ignoring Redis key %r: not an entry path", k)
 
     def status(self, rel: str) -> str:
         """What a reader here would make of entry `rel`: ``signed``, ``unsigned``, ``signed (no
@@ -295,12 +390,23 @@ class RemoteCache:
             log.info("remote cache: %s not published (%s: %s)", rel, type(e).__name__, e)
             return False
         arts = idx["artifacts"]
-        keys = [self.prefix + "blob:" + rec["sha256"] for rec in arts.values()]
-        have = self._call("check artifacts", lambda r: [bool(x) for x in r.pipeline().exists(*keys).execute()] if keys
-                          else [], None) if keys else []
-        if have is None:
+        key = self.key
+        if key is not None and any(rec.get("unsigned") for rec in arts.values()):
+            log.info("remote cache: %s holds artifacts pulled from unsigned entries; not publishing it under "
+                     "this process's key", rel)
             return False
-        for (name, rec), present in zip(arts.items(), have if len(have) == len(keys) else [False] * len(keys)):
+        keys = [self.prefix + "blob:" + rec["sha256"] for rec in arts.values()]
+
+        def exists(r: Any) -> list[bool]:
+            pipe = r.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)  # one EXISTS per key: a multi-key EXISTS returns only a count
+            return [bool(x) for x in pipe.execute()]
+
+        have = self._call("check artifacts", exists, None) if keys else []
+        if have is None or len(have) != len(keys):
+            return False
+        for (name, rec), present in zip(arts.items(), have):
             if present:
                 continue
             try:
@@ -312,12 +418,20 @@ class RemoteCache:
                 continue  # the local file changed under us; the index is rewritten by its next commit
             if not self._call("write an artifact", lambda r: r.set(self.prefix + "blob:" + rec["sha256"], data), False):
                 return False
-        envelope = make_envelope({"rel": rel, "index": idx, "files": files}, self.key)
+        envelope = make_envelope({"rel": rel, "index": idx, "files": files}, key)
         if not self._call("write an entry", lambda r: r.set(self.prefix + "entry:" + rel, envelope), False):
             return False
         if idx.get("meta", {}).get("kind") == "bundle":
             parts = rel.split("/")
-            self._call("list a bundle", lambda r: r.zadd(self.prefix + f"bundles:{parts[1]}/{parts[2]}", {rel: time.time()}))
+            listing = self.prefix + f"bundles:{parts[1]}/{parts[2]}"
+
+            def list_bundle(r: Any) -> None:
+                pipe = r.pipeline(transaction=False)
+                pipe.zadd(listing, {rel: time.time()})
+                pipe.zremrangebyrank(listing, 0, -BUNDLES_LISTED - 1)  # keep the newest
+                pipe.execute()
+
+            self._call("list a bundle", list_bundle)
         from ..counters import counters
 
         counters.bump("remote_publishes")
@@ -328,15 +442,22 @@ class RemoteCache:
     def lease(self, rel: str) -> "Lease | None":
         """Take the compile lease of `rel` (None: another process holds it, or Redis failed)."""
         token = secrets.token_hex(16)
-        got = self._call("take a compile lease", lambda r: r.set(self.prefix + "lease:" + rel, token, nx=True, px=LEASE_MS),
+        got = self._call("take a compile lease", lambda r: r.eval(_ACQUIRE, 1, self.prefix + "lease:" + rel, token, LEASE_MS),
                          None)
         return Lease(self, rel, token) if got else None
 
     def holder_alive(self, rel: str) -> bool:
-        """Whether some process holds the compile lease of `rel` now."""
-        return bool(self._call("read a compile lease", lambda r: r.exists(self.prefix + "lease:" + rel), 0))
+        """Whether some process holds the compile lease of `rel` now (a string with an expiry: a
+        key without one, or of another type, is no lease and is replaced by the next `lease`)."""
+        ttl = self._call("read a compile lease", lambda r: r.pttl(self.prefix + "lease:" + rel), -2)
+        return isinstance(ttl, int) and ttl > 0
 
 
+_ACQUIRE = """
+local t = redis.call('type', KEYS[1])['ok']
+if t ~= 'none' and (t ~= 'string' or redis.call('pttl', KEYS[1]) < 0) then redis.call('del', KEYS[1]) end
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 else return 0 end
+"""
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
@@ -398,6 +519,10 @@ def claim_or_wait(remote: RemoteCache, root: str, rel: str, reopen: Callable[[],
                 log.info("remote cache: the compile lease of %s was given up without a publication; compiling here",
                          rel)
                 return lease
+            if not remote.holder_alive(rel):  # nobody holds it and it cannot be taken: no leases here
+                report_once(f"remote-lease:{remote.url}", f"piecewise remote cache {remote.url}: the compile lease of "
+                            f"{rel} can be neither taken nor seen held; compiling without it")
+                return None
     report_once(f"remote-wait:{rel}", f"piecewise remote cache: waited {wait_s:.0f} s for another process to publish "
                 f"{rel}; compiling it here too")
     return None

@@ -38,7 +38,7 @@ from ..fingerprint import canonical_json, data_digest
 from .key import KEY_FORMAT
 
 __all__ = ["INDEX_FORMAT", "resolve_root", "atomic_write", "CacheEntry", "check_permissions", "read_index", "parse_index",
-           "CacheIndexError"]
+           "CacheIndexError", "current_rank", "shares_across_ranks"]
 
 log = logging.getLogger("piecewise")
 
@@ -76,6 +76,17 @@ def current_rank() -> int:
 
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def shares_across_ranks() -> bool:
+    """Whether ranks of one `torch.distributed` job share identical pieces through the cache root:
+    an initialised group of more than one rank, and ``PIECEWISE_RANK_SHARING`` not set to 0."""
+    import torch
+
+    dist = torch.distributed
+    if os.environ.get("PIECEWISE_RANK_SHARING", "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def resolve_root(cache_dir: str | None) -> str | None:
@@ -281,6 +292,11 @@ class CacheEntry:
         rec = self.index["artifacts"].get(name)
         if rec is None:
             return None
+        return self._read_verified(rec)
+
+    def _read_verified(self, rec: Mapping[str, Any]) -> bytes | None:
+        """The bytes of the artifact file `rec` names if they match its size and sha256, or None
+        (missing, or bad: reported and moved aside)."""
         path = os.path.join(self.root, *rec["file"].split("/"))
         try:
             st = os.lstat(path)
@@ -302,11 +318,38 @@ class CacheEntry:
             return None
         return data
 
+    def sibling_indexes(self) -> list[str]:
+        """Index paths of the other ranks' entries of this key and tag under this root."""
+        import glob
+
+        pattern = os.path.join(glob.escape(self.root), glob.escape(self.key), "rank_*", glob.escape(self.tag), INDEX)
+        return [p for p in sorted(glob.glob(pattern)) if os.path.dirname(p) != self.path]
+
+    def sibling_artifact(self, name: str) -> bytes | None:
+        """Artifact `name` as another rank of this job compiled it under the same key, verified and
+        copied into this entry (recorded at `commit`); None when no rank has it. Sound because the
+        key holds the traced graph's hash and the name the piece's fingerprint and target: the same
+        code, whichever rank compiled it (a rank-dependent graph has another key)."""
+        if not self.readable:
+            return None
+        for path in self.sibling_indexes():
+            try:
+                idx = read_index(path)
+            except (OSError, CacheIndexError):
+                continue
+            rec = idx["artifacts"].get(name) if idx["key"] == self.key else None
+            data = self._read_verified(rec) if rec is not None else None
+            if data is not None:
+                self.save_artifact(name, data)
+                return data
+        return None
+
     def reject_artifact(self, name: str, why: str) -> None:
         """An artifact that verified but failed to load: report it and move it aside."""
         rec = (self.index or {}).get("artifacts", {}).get(name)
         if rec is not None:
             self._bad(rec["file"], why)
+        self.saved.pop(name, None)  # a copy from another rank is not recorded either
 
     def _bad(self, rel_file: str, why: str) -> None:
         """Report a bad file once and move it into the entry's quarantine dir."""
@@ -332,6 +375,20 @@ class CacheEntry:
 
     def _lock(self) -> filelock.FileLock:
         return filelock.FileLock(os.path.join(self.path, LOCK), mode=0o644)
+
+    def rank_compile_lock(self) -> filelock.FileLock | None:
+        """A held lock that serialises the compiles of this key and tag across the ranks of one job
+        (``<root>/<key>/.<tag>.compile.lock``), so the first rank compiles and the others load its
+        artifacts (`sibling_artifact`). The OS drops it when its holder dies. None when the root
+        cannot be written."""
+        try:
+            make_dirs(os.path.join(self.root, self.key))
+            lock = filelock.FileLock(os.path.join(self.root, self.key, f".{self.tag}.compile.lock"), mode=0o644)
+            lock.acquire()
+            return lock
+        except OSError as e:
+            self._disable_writes(e)
+            return None
 
     def save_artifact(self, name: str, payload: bytes) -> bool:
         """Write `payload` as artifact `name` (recorded in the index at `commit`); returns whether

@@ -53,6 +53,12 @@ class CompilerAdaptor(abc.ABC):
         a chance to start per-process setup in the background, or to reuse what an earlier process
         recorded under the cache `root` (None: no cache). Default: nothing."""
 
+    def machine_factors(self) -> dict[str, Any]:
+        """What about this machine the adaptor's artifacts depend on (instruction sets, GPU
+        architecture), as JSON data for the cache key: an artifact built for another machine must
+        miss, not load. Default: nothing (the artifact is machine-independent)."""
+        return {}
+
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         """Rebuild a callable from `CompiledPiece.payload`. Adaptors that save nothing never
         receive this call."""

@@ -75,6 +75,22 @@ class InductorAdaptor(CompilerAdaptor):
     def saves_artifacts(self) -> bool:
         return True
 
+    def machine_factors(self) -> dict[str, Any]:
+        """The CPU vector ISA Inductor's C++ kernels are built for (name and compiler flags, under
+        this adaptor's config patches) and, with CUDA, the device's compute capability: kernels
+        built for AVX-512 or sm_90 must not load on an AVX2 CPU or an sm_80 GPU sharing the cache
+        (a remote tier or a copied root). Inductor's own caches leave the ISA out of their keys."""
+        from torch._inductor import config as inductor_config
+        from torch._inductor import cpu_vec_isa
+
+        if not _patches_isa(self.config_patches):
+            isa_record.assume(self._root)
+        with inductor_config.patch(self.config_patches):
+            isa = cpu_vec_isa.pick_vec_isa()
+            cpu = {"isa": str(isa), "flags": isa.build_arch_flags() if isa else ""}
+        cuda = list(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+        return {"cpu_vec_isa": cpu, "cuda_capability": cuda}
+
     def compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget) -> CompiledPiece:
         try:
             art = self._standalone_compile(graph, example_inputs, target)
