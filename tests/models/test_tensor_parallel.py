@@ -32,7 +32,17 @@ def test_two_ranks_equal_the_single_process_model_for_every_size(tmp_path):
         assert r["worst"] < 1e-4, r  # float32, summed over ranks in another order
         assert r["counters"]["dynamo_traces"] == 1 and r["counters"]["recompiles"] == 0
         assert r["kv_heads"] == 1  # each rank caches only its own kv heads
-        assert "num_kv_heads=1 does not divide by the 2 ranks" in r["refused"]
+        assert "intermediate_size=97 does not divide by the 2 ranks" in r["refused"]
+
+
+def test_four_ranks_with_fewer_kv_heads_than_ranks_replicate_them(tmp_path):
+    """8 query heads and 2 kv heads on 4 ranks: each rank keeps 2 query heads and the one kv head
+    they read (replicated on 2 ranks), as vLLM does."""
+    reports = _torchrun("eager", tmp_path, tmp_path / "cache", range(1, 65), world=4, TP_HEADS="8", TP_KV_HEADS="2")
+    for r in reports:
+        assert r["worst"] < 1e-4, r
+        assert r["counters"]["dynamo_traces"] == 1 and r["counters"]["recompiles"] == 0
+        assert r["kv_heads"] == 1
 
 
 def test_two_ranks_with_inductor_compile_once_then_start_warm(tmp_path):

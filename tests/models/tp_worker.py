@@ -23,11 +23,12 @@ def main() -> None:
     backend, out_dir, sizes = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-                      max_num_seqs=64, max_seq_len=64, o_bias=True, mlp_bias=True)
+    cfg = LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=int(os.environ.get("TP_HEADS", 4)),
+                      num_kv_heads=int(os.environ.get("TP_KV_HEADS", 2)), head_dim=16, max_num_seqs=64, max_seq_len=64,
+                      o_bias=True, mlp_bias=True)
     refused = ""
     try:
-        shard_llama(LlamaForCausalLM(LlamaConfig(num_heads=4, num_kv_heads=1, intermediate_size=96 + world)))
+        shard_llama(LlamaForCausalLM(LlamaConfig(num_heads=4, num_kv_heads=1, intermediate_size=96 + 1)))
     except ConfigError as e:
         refused = str(e)
     full = LlamaForCausalLM(cfg, seed=0)

@@ -6,7 +6,8 @@ shard, Megatron-style (the layout vLLM and SGLang use for Llama):
 - q/k/v and gate/up projections are column-parallel: each rank keeps a contiguous block of output
   features (``num_heads / world`` query heads, ``num_kv_heads / world`` kv heads, ``intermediate /
   world`` MLP features), so attention runs on the rank's own heads with no communication and the
-  KV cache holds only them;
+  KV cache holds only them; with fewer kv heads than ranks, each rank keeps the one kv head its
+  query heads read (replicated over ``world / num_kv_heads`` ranks);
 - o and down projections are row-parallel: each rank multiplies its block of input features and
   one all-reduce (sum) per attention block and per MLP block combines the partial results before
   the bias is added once;
@@ -59,15 +60,15 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _column(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
-    """This rank's contiguous block of a linear layer's output features."""
-    n = linear.out_features // world
+def _column(linear: nn.Linear, block: int, blocks: int) -> nn.Linear:
+    """Block `block` of `blocks` equal contiguous blocks of a linear layer's output features."""
+    n = linear.out_features // blocks
     out = nn.Linear(linear.in_features, n, bias=linear.bias is not None, dtype=linear.weight.dtype,
                     device=linear.weight.device)
     with torch.no_grad():
-        out.weight.copy_(linear.weight[rank * n:(rank + 1) * n])
+        out.weight.copy_(linear.weight[block * n:(block + 1) * n])
         if linear.bias is not None:
-            out.bias.copy_(linear.bias[rank * n:(rank + 1) * n])
+            out.bias.copy_(linear.bias[block * n:(block + 1) * n])
     return out.requires_grad_(False)
 
 
@@ -76,8 +77,9 @@ def shard_llama(model: LlamaForCausalLM, group=None) -> LlamaForCausalLM:
     tensor-parallel shard, in place; returns it.
 
     Raises:
-        ConfigError: torch.distributed is not initialised, or ``num_heads``, ``num_kv_heads`` or
-            ``intermediate_size`` does not divide by the group's size (the message names which).
+        ConfigError: torch.distributed is not initialised, ``num_heads`` or ``intermediate_size``
+            does not divide by the group's size, or ``num_kv_heads`` and the group's size do not
+            divide one another (the message names which).
     """
     import torch.distributed as dist
 
@@ -87,17 +89,25 @@ def shard_llama(model: LlamaForCausalLM, group=None) -> LlamaForCausalLM:
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     c = model.config
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+    for name in ("num_heads", "intermediate_size"):
         if getattr(c, name) % world:
             raise ConfigError(f"LlamaConfig.{name}={getattr(c, name)} does not divide by the {world} ranks of the "
                               "tensor-parallel group; pick a world size that divides it")
-    local = dataclasses.replace(c, num_heads=c.num_heads // world, num_kv_heads=c.num_kv_heads // world,
+    if c.num_kv_heads % world and world % c.num_kv_heads:
+        raise ConfigError(f"LlamaConfig.num_kv_heads={c.num_kv_heads} and the {world} ranks of the tensor-parallel "
+                          "group must divide one another (kv heads are split, or replicated when there are fewer "
+                          "kv heads than ranks); pick another world size")
+    # kv heads: split when there are at least as many as ranks, else each rank keeps the one its
+    # query heads read (replicated on world / num_kv_heads ranks), as vLLM does
+    kv_local = max(1, c.num_kv_heads // world)
+    kv_block = rank if c.num_kv_heads >= world else rank * c.num_kv_heads // world
+    local = dataclasses.replace(c, num_heads=c.num_heads // world, num_kv_heads=kv_local,
                                 intermediate_size=c.intermediate_size // world)
     for layer in model.layers:
         attn: LlamaAttention = layer.self_attn
         attn.q_proj = _column(attn.q_proj, rank, world)
-        attn.k_proj = _column(attn.k_proj, rank, world)
-        attn.v_proj = _column(attn.v_proj, rank, world)
+        attn.k_proj = _column(attn.k_proj, kv_block, c.num_kv_heads // kv_local)
+        attn.v_proj = _column(attn.v_proj, kv_block, c.num_kv_heads // kv_local)
         attn.o_proj = RowParallelLinear(attn.o_proj, rank, world, group)
         attn.config = local
         kv = attn.k_cache.shape
