@@ -7,6 +7,7 @@ with its own empty local cache root, so everything it loads came through Redis. 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -156,33 +157,43 @@ def test_redis_down_at_start_costs_one_warning(tmp_path):
     assert len([w for w in r["warnings"] if "remote cache" in w]) == 1
 
 
-def test_a_server_that_never_answers_is_given_up_after_one_bounded_timeout(tmp_path):
-    """Accepts connections and never replies: the first call times out (1 s reads by default),
-    then the tier rests, so the process makes exactly one attempt."""
+@contextlib.contextmanager
+def _fake_server(handle):
+    """A TCP listener on 127.0.0.1 that runs `handle(conn, stop)` in a thread per connection;
+    yields its redis:// URL, and stops it (closing every connection) on exit."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
-    held = []
     stop = threading.Event()
+    conns = []
 
     def accept():
         listener.settimeout(0.2)
         while not stop.is_set():
             try:
-                held.append(listener.accept()[0])
+                conn = listener.accept()[0]
             except OSError:
-                pass
+                continue
+            conns.append(conn)
+            threading.Thread(target=handle, args=(conn, stop), daemon=True).start()
 
     t = threading.Thread(target=accept, daemon=True)
     t.start()
     try:
-        r = _run(tmp_path / "a", f"redis://127.0.0.1:{listener.getsockname()[1]}/0")
+        yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
     finally:
         stop.set()
         t.join()
         listener.close()
-        for c in held:
+        for c in conns:
             c.close()
+
+
+def test_a_server_that_never_answers_is_given_up_after_one_bounded_timeout(tmp_path):
+    """Accepts connections and never replies: the first call times out (1 s reads by default),
+    then the tier rests, so the process makes exactly one attempt."""
+    with _fake_server(lambda conn, stop: stop.wait()) as url:
+        r = _run(tmp_path / "a", url)
     assert r["counters"]["remote_errors"] == 1 and r["counters"]["compiler_invocations"] > 0
     assert len([w for w in r["warnings"] if "Timeout" in w]) == 1
 
@@ -369,12 +380,8 @@ def test_entry_names_that_leave_the_root_are_ignored(redis, server, tmp_path):
 def test_a_reply_trickled_byte_by_byte_is_cut_off_at_the_call_budget(tmp_path):
     """redis-py's socket timeout bounds each read; a server that sends one byte every 0.3 s never
     trips it. The whole call is bounded instead (connect + I/O budget), once per rest period."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    stop = threading.Event()
 
-    def serve(conn):
+    def trickle(conn, stop):
         try:
             conn.recv(65536)
             for b in b"$100000\r\n" + b"x" * 1000:
@@ -384,23 +391,7 @@ def test_a_reply_trickled_byte_by_byte_is_cut_off_at_the_call_budget(tmp_path):
                 time.sleep(0.3)
         except OSError:
             pass
-        finally:
-            conn.close()
 
-    def accept():
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
-            except OSError:
-                pass
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    try:
-        r = _run(tmp_path / "a", f"redis://127.0.0.1:{listener.getsockname()[1]}/0")
-    finally:
-        stop.set()
-        t.join()
-        listener.close()
+    with _fake_server(trickle) as url:
+        r = _run(tmp_path / "a", url)
     assert r["counters"]["remote_errors"] == 1 and r["counters"]["compiler_invocations"] > 0
