@@ -136,6 +136,13 @@ class PiecewiseBackend:
             self.result = self._compile(split, fake_mode, fake_inputs)
             self.timings["compile"] = time.perf_counter() - t0 - self.timings["cache_load"]
             self.graph_code = render_split_graph(split)
+            if self.cache is not None and self.adaptor.machine_factors() != self.factors.get("machine"):
+                # a compile failed under an assumed machine answer and was redone under the probed
+                # one (Inductor's CPU ISA): the key no longer says what the code was built for
+                log.warning("[%s] the compiler's machine answer changed while compiling (%s -> %s); this compile "
+                            "is not saved, the next process compiles under the new answer", self.tag,
+                            self.factors.get("machine"), self.adaptor.machine_factors())
+                self.cache = None
             if self.cache is not None and (self.cache.saved or self.cache.index is None):
                 self.cache.commit(self._cache_meta, self.factors, self.graph_code)
         finally:
@@ -280,6 +287,8 @@ class PiecewiseBackend:
         """
         if self.result is None or self.result.plan is None:
             raise CompileError("a distinct piece has no saved artifact")
+        if self.cache is None:
+            raise CompileError("this compile was not saved (see the log)")
         return self.result.plan
 
     def restore(self, split: SplitResult, plan: CompiledPlan, cache: CacheEntry) -> StitchedForward:

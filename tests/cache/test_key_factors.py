@@ -195,3 +195,18 @@ def test_a_restart_with_one_changed_field_logs_only_that_field(tmp_path, caplog)
     assert kinds == ["bundle", "bundle", "compile", "compile"], kinds
     (line,) = [r.getMessage() for r in caplog.records if "compile cache miss" in r.getMessage()]
     assert line.endswith(" in config.max_num_tokens"), line
+
+
+def test_the_device_index_is_part_of_the_input_signature():
+    """Inductor writes the device index into its wrapper code, so a piece compiled on cuda:0 must
+    not be the one a rank on cuda:1 loads (ranks share entries of the same key). CPU tensors have
+    no index and keep the plain device type."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from piecewise.cache.key import input_signature
+
+    with FakeTensorMode():
+        a, b = torch.empty(2, device="cuda:0"), torch.empty(2, device="cuda:1")
+    assert input_signature([a]) != input_signature([b])
+    assert "cuda:1" in str(input_signature([b])) and "'cpu'" in str(input_signature([torch.empty(2)]))

@@ -197,8 +197,11 @@ cm = pw.compile(ToyTransformer(1, dim=8), pw.CompilationConfig(backend="inductor
                 dynamic_arg_dims={"x": 0})
 x = torch.randn(5, 8)
 ok = torch.allclose(cm(x), cm.module(x), rtol=1.3e-6, atol=1e-5)
+import glob, os
 print(json.dumps({"equal": ok, "failed": failed, "source": I.answer_source(), "warnings": warnings,
-                  "valid": [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]}))
+                  "valid": [str(i) for i in cpu_vec_isa.valid_vec_isa_list()],
+                  "indexes": len(glob.glob(os.path.join(sys.argv[1], "*", "rank_*", "*", "index.json"))),
+                  "bundles_saved": pw.counters.bundles_saved, "cache_hits": pw.counters.cache_hits}))
 """
 
 
@@ -220,9 +223,13 @@ def test_a_compiler_that_rejects_the_assumed_isa_is_probed_and_the_piece_compile
     assert any("vector ISA" in w for w in first["warnings"])
     with open(_record(root)) as f:
         assert json.load(f)["valid_vec_isa"] == []
-    # the next process takes the recorded probe over the assumption: no failed build
+    # the key was computed under the assumed ISA, so nothing of this compile is saved under it
+    assert first["indexes"] == 0 and first["bundles_saved"] == 0
+    assert any("machine answer changed" in w for w in first["warnings"])
+    # the next process takes the recorded probe over the assumption: no failed build, saved
     again = run()
     assert again["equal"] and again["failed"] == [] and again["source"] == "record" and again["valid"] == []
+    assert again["cache_hits"] == 0 and again["indexes"] == 2 and again["bundles_saved"] == 1
 
 
 def test_the_probe_threads_import_nothing_beyond_probe_modules(tmp_path):

@@ -49,7 +49,7 @@ def test_two_ranks_with_inductor_compile_once_then_start_warm(tmp_path):
     """The ranks' graphs are identical (same shapes, same group name), so one rank compiles each
     piece and the other loads it from the shared root; without sharing both compile."""
     root = tmp_path / "cache"
-    sizes = [1, 2, 7, 16, 33, 64]
+    sizes = range(1, 65)
     cold = _torchrun("inductor", tmp_path, root, sizes)
     warm = _torchrun("inductor", tmp_path, root, sizes)
     unshared = _torchrun("inductor", tmp_path, tmp_path / "unshared", sizes, PIECEWISE_RANK_SHARING="0")
@@ -90,3 +90,27 @@ def test_a_rank_killed_while_compiling_leaves_no_lock_behind(tmp_path):
     assert lock is not None and lock.is_locked
     lock.release()
     assert entry.sibling_indexes() == [] and entry.sibling_artifact("x") is None  # nothing partial to load
+
+
+def test_a_bad_artifact_of_another_rank_is_set_aside_not_loaded(tmp_path):
+    import glob
+
+    from piecewise.cache.store import CacheEntry
+
+    root, key = str(tmp_path), "k" * 20
+    r0 = CacheEntry(root, key, "Model", rank=0)
+    r0.save_artifact("piece.general", b"x" * 100)
+    r0.save_artifact("piece.size_4", b"z" * 100)
+    r0.commit({"m": 1}, {}, "")
+    bad = [f for f in glob.glob(f"{root}/{key}/rank_0_0/Model/artifacts/*.bin") if "general" in f][0]
+    with open(bad, "wb") as f:
+        f.write(b"y" * 100)  # same size, other bytes
+    r1 = CacheEntry(root, key, "Model", rank=1)
+    r1.open({"m": 1})
+    assert r1.sibling_artifact("piece.general") is None
+    assert not os.path.exists(bad) and glob.glob(f"{root}/**/quarantine/*", recursive=True)
+    # one that verifies but fails to load is set aside too, with this rank's copy of it
+    assert r1.sibling_artifact("piece.size_4") == b"z" * 100
+    good = glob.glob(f"{root}/{key}/rank_0_0/Model/artifacts/piece.size_4*")[0]
+    r1.reject_artifact("piece.size_4", "artifact failed to load (test)")
+    assert not os.path.exists(good) and "piece.size_4" not in r1.saved

@@ -100,7 +100,9 @@ def _describe(x: Any) -> Any:
 
     if isinstance(x, torch.Tensor):
         shape = ["*" if isinstance(s, torch.SymInt) else int(s) for s in x.shape]
-        return {"dtype": str(x.dtype), "device": x.device.type, "shape": shape}
+        # the device index too: Inductor writes it into its wrapper code (cuda:0 vs cuda:1 differ)
+        device = x.device.type if x.device.index is None else f"{x.device.type}:{x.device.index}"
+        return {"dtype": str(x.dtype), "device": device, "shape": shape}
     if isinstance(x, torch.SymInt):
         return "symint"
     if x is None:

@@ -252,6 +252,7 @@ class CacheEntry:
         self.writable = True
         self.index: dict[str, Any] | None = None
         self.saved: dict[str, dict[str, Any]] = {}
+        self._sibling_files: dict[str, str] = {}  # artifact name -> the sibling rank's file it was copied from
 
     # -- reading ------------------------------------------------------------------------------
     def open(self, meta: Mapping[str, Any] | None) -> bool:
@@ -341,6 +342,7 @@ class CacheEntry:
             data = self._read_verified(rec) if rec is not None else None
             if data is not None:
                 self.save_artifact(name, data)
+                self._sibling_files[name] = rec["file"]
                 return data
         return None
 
@@ -349,14 +351,20 @@ class CacheEntry:
         rec = (self.index or {}).get("artifacts", {}).get(name)
         if rec is not None:
             self._bad(rec["file"], why)
-        self.saved.pop(name, None)  # a copy from another rank is not recorded either
+        if name in self._sibling_files:  # loaded from another rank's entry: set that file aside too
+            self._bad(self._sibling_files.pop(name), why)
+        bad_copy = self.saved.pop(name, None)  # this entry's copy of it is not recorded either
+        if bad_copy is not None:
+            self._bad(bad_copy["file"], why)
 
     def _bad(self, rel_file: str, why: str) -> None:
         """Report a bad file once and move it into the entry's quarantine dir."""
         from ..counters import counters
 
         counters.bump("cache_errors", tag=self.tag)
-        src = os.path.join(self.path, rel_file) if not rel_file.startswith(self.rel) else os.path.join(self.root, *rel_file.split("/"))
+        # index records name files relative to the root (this entry's or a sibling rank's); the
+        # entry's own files (index, factors) are passed by bare name
+        src = os.path.join(self.root, *rel_file.split("/")) if "/" in rel_file else os.path.join(self.path, rel_file)
         report_once(f"bad:{src}", f"piecewise cache: {why}: {src}; moved aside and recompiling")
         if not self.writable:
             return

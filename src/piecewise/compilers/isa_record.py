@@ -136,8 +136,8 @@ def _assume_builds() -> list[str]:
 
 
 def _answer(cpu_vec_isa: Any) -> list[Any]:
-    """The valid ISAs with the attributes their checks set (AVX512-BF16, AMX-FP16 support)."""
-    return [(str(isa), sorted((k, repr(v)) for k, v in vars(isa).items())) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    """The valid ISAs with the compiler flags their checks settled (AVX512-BF16, AMX-FP16)."""
+    return [f"{isa} ({isa.build_arch_flags()})" for isa in cpu_vec_isa.valid_vec_isa_list()]
 
 
 def _forget_answers() -> None:
