@@ -302,7 +302,9 @@ time.sleep(600)
 
 def test_a_killed_compilers_lease_expires_and_a_waiter_compiles(redis, server, tmp_path):
     env = {"PIECEWISE_DISABLE_BUNDLE": "1"}
-    probe = _run(tmp_path / "probe", server.url, **env)  # learn the entry's name, then forget it
+    # learn the entry's name from a process like the waiter (the key holds the registered splitting
+    # ops, which in this test process include other tests' ops), then forget it
+    probe = _run_process(tmp_path / "probe", server.url, **env)
     rel = _compile_entry(redis)[len("pw:1:entry:"):]
     redis.flushall()
     redis.config_resetstat()
