@@ -117,28 +117,31 @@ def make_envelope(body: dict[str, Any], key: bytes | None) -> bytes:
     return _MAGIC + sig + b"\n" + data
 
 
-def parse_envelope(raw: bytes, rel: str, key: bytes | None, allow_unsigned: bool) -> tuple[dict[str, Any] | None, str]:
-    """The envelope's body, or (None, why it is refused). Checks the format, the signature under
-    the reader's policy (module doc) and that the body names `rel`."""
+def parse_envelope(raw: bytes, rel: str, key: bytes | None, allow_unsigned: bool) -> tuple[dict[str, Any] | None, str, bool]:
+    """(body, '', signed) or (None, why it is refused, False). Checks the format, the signature
+    under the reader's policy (module doc) and that the body names `rel`; `signed` says the body
+    was accepted on a valid signature under `key` rather than as an allowed unsigned entry."""
     if not raw.startswith(_MAGIC) or b"\n" not in raw:
-        return None, "not a piecewise envelope (truncated or foreign value)"
+        return None, "not a piecewise envelope (truncated or foreign value)", False
     head, data = raw[len(_MAGIC):].split(b"\n", 1)
+    signed = False
     if head == b"-":
         if not allow_unsigned:
-            return None, "unsigned (set PIECEWISE_REMOTE_ALLOW_UNSIGNED=1 to load unsigned entries)"
+            return None, "unsigned (set PIECEWISE_REMOTE_ALLOW_UNSIGNED=1 to load unsigned entries)", False
     elif key is not None:
         good = hmac.new(key, data, hashlib.sha256).hexdigest().encode()
         if not hmac.compare_digest(good, head):
-            return None, "signature does not match this key (altered, truncated, or written by a writer without it)"
+            return None, "signature does not match this key (altered, truncated, or written by a writer without it)", False
+        signed = True
     elif not allow_unsigned:
-        return None, "signed, but this process has no key to verify it (set PIECEWISE_CACHE_KEY)"
+        return None, "signed, but this process has no key to verify it (set PIECEWISE_CACHE_KEY)", False
     try:
         body = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, f"not valid JSON ({e})"
+        return None, f"not valid JSON ({e})", False
     if not isinstance(body, dict) or body.get("rel") != rel or not isinstance(body.get("index"), dict):
-        return None, "names another entry"
-    return body, ""
+        return None, "names another entry", False
+    return body, "", signed
 
 
 def _key_level(e: BaseException) -> bool:
@@ -163,14 +166,6 @@ def valid_rel(rel: str) -> bool:
     return (len(parts) == 3 and re.fullmatch(r"[0-9a-f][0-9a-f-]*", parts[0]) is not None
             and re.fullmatch(r"rank_\d+_\d+", parts[1]) is not None
             and bool(parts[2]) and not parts[2].startswith(".") and "\\" not in parts[2] and "\x00" not in parts[2])
-
-
-def _signed_by(raw: bytes, key: bytes | None) -> bool:
-    """Whether envelope `raw` carries a valid signature under `key`."""
-    if key is None or not raw.startswith(_MAGIC) or b"\n" not in raw:
-        return False
-    head, data = raw[len(_MAGIC):].split(b"\n", 1)
-    return head != b"-" and hmac.compare_digest(hmac.new(key, data, hashlib.sha256).hexdigest().encode(), head)
 
 
 class RemoteCache:
@@ -280,7 +275,7 @@ class RemoteCache:
         if not isinstance(raw, bytes):
             return False
         key = self.key
-        body, why = parse_envelope(raw, rel, key, _allow_unsigned())
+        body, why, signed = parse_envelope(raw, rel, key, _allow_unsigned())
         if body is None:
             self._reject(rel, why)
             return False
@@ -308,7 +303,7 @@ class RemoteCache:
                     # a content-addressed value that does not hash to its name is wrong for everyone
                     self._call("drop a damaged artifact", lambda r: r.delete(self.prefix + "blob:" + rec["sha256"]))
                     continue
-                if not _signed_by(raw, key):
+                if not signed:
                     # accepted only because unsigned entries are allowed: never signed by this
                     # process's publish later (that would launder it for strict readers)
                     rec = {**rec, "unsigned": True}
@@ -362,7 +357,7 @@ class RemoteCache:
         key = self.key
         if key is None and raw.startswith(_MAGIC):
             return "signed (no key here to verify it)"
-        body, why = parse_envelope(raw, rel, key, False)
+        body, why, _ = parse_envelope(raw, rel, key, False)
         return "signed" if body is not None else f"refused: {why}"
 
     def _reject(self, rel: str, why: str) -> None:
