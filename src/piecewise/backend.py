@@ -36,7 +36,7 @@ from .ops import op_exists, resolve_splitting_ops
 from .graphs.install import graph_plan as plan_graphs
 from .graphs.install import token_mixing
 from .piece import EntryKind, EntryTable, PieceRunner, piece_fingerprint
-from .split import SplitResult, fx_forward, split_graph
+from .split import SplitResult, fx_forward, is_splitting_node, split_graph
 from .tags import unique_tag
 from .targets import CompileTarget
 
@@ -219,8 +219,12 @@ class PiecewiseBackend:
         for name in self.split_ops:
             if not op_exists(name):
                 warnings.warn(f"splitting op {name!r} is not a registered torch op; check the name", stacklevel=3)
-        result = split_graph(gm, self.split_ops)
-        if self.config.mode == "piecewise" and result.num_splitting == 0:
+        partition = self.config.split_strategy == "inductor_partition"
+        # Inductor partition: the whole graph is one piece; Inductor cuts its code at the ops
+        result = split_graph(gm, () if partition else self.split_ops)
+        found = any(is_splitting_node(n, frozenset(self.split_ops)) for n in gm.graph.nodes) if partition \
+            else result.num_splitting > 0
+        if self.config.mode == "piecewise" and not found:
             counters.bump("fallbacks", tag=self.tag)
             warnings.warn(
                 f"[{self.tag}] piecewise mode found none of the splitting ops {list(self.split_ops)} in the graph; "

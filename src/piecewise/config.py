@@ -26,6 +26,10 @@ CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 #: how the trace treats dims marked dynamic (`CompilationConfig.dynamic_shapes`)
 DYNAMIC_SHAPES = ("backed_size_oblivious", "backed", "unbacked")
+#: where the graph is cut at splitting ops (`CompilationConfig.split_strategy`)
+SPLIT_STRATEGIES = ("fx", "inductor_partition")
+#: the first torch release with every Inductor hook the ``inductor_partition`` strategy uses
+PARTITION_MIN_TORCH = "2.9.1"
 
 #: Fields that change generated code and therefore enter the cache key (docs/design.md §5.2). The rest
 #: (cache_dir, tag, debug, ...) are cosmetic or locate the cache and must not split it.
@@ -37,6 +41,7 @@ CODE_FIELDS = (
     "compile_ranges",
     "max_num_tokens",
     "dynamic_shapes",
+    "split_strategy",
     "inductor_options",
     "passes",
     "noop_elimination",
@@ -103,6 +108,15 @@ class CompilationConfig:
             and no guards at all; any branch on the size (``if n > 1``, a data-dependent shape)
             fails the trace with `CompileError` naming the line - the strictest check that the
             graph is one graph for every size.
+        split_strategy: where the graph is cut at splitting ops (in the cache key). ``"fx"``
+            (default): the FX graph is split into pieces, identical pieces (transformer layers)
+            are compiled once, splitting ops run between pieces as their Python function.
+            ``"inductor_partition"``: the whole graph goes to Inductor once per compile target,
+            Inductor cuts its generated code into partitions at the splitting ops (which run
+            between them as fallback kernels), post-grad passes see the whole graph, and each
+            partition is captured per size like an FX piece (`piecewise.compilers.partition`).
+            Needs ``backend="inductor"``, ``mode="piecewise"`` and torch >= 2.9.1 (its
+            ``custom_should_partition_ops``).
         cache_dir: root of the compile cache; ``None`` means ``PIECEWISE_CACHE_DIR`` or the
             platform's user cache dir.
         tag: the name of this compiled region (its own cache subdir and counters). ``None``
@@ -143,6 +157,7 @@ class CompilationConfig:
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     cudagraph_num_warmups: int = 1
     dynamic_shapes: str = "backed_size_oblivious"
+    split_strategy: str = "fx"
     max_num_tokens: int = 512
     cache_dir: str | None = None
     tag: str | None = None
@@ -167,6 +182,19 @@ class CompilationConfig:
             raise ConfigError(f"cudagraph_mode={self.cudagraph_mode!r} is not one of {CUDAGRAPH_MODES}")
         if self.dynamic_shapes not in DYNAMIC_SHAPES:
             raise ConfigError(f"dynamic_shapes={self.dynamic_shapes!r} is not one of {DYNAMIC_SHAPES}")
+        if self.split_strategy not in SPLIT_STRATEGIES:
+            raise ConfigError(f"split_strategy={self.split_strategy!r} is not one of {SPLIT_STRATEGIES}")
+        if self.split_strategy == "inductor_partition":
+            if self.backend != "inductor":
+                raise ConfigError(f"split_strategy='inductor_partition' is Inductor's partitioning, but backend="
+                                  f"{self.backend!r}; set backend='inductor' or split_strategy='fx'")
+            if self.mode != "piecewise":
+                raise ConfigError(f"split_strategy='inductor_partition' cuts at splitting ops, which mode={self.mode!r} "
+                                  "does not do; set mode='piecewise' or leave split_strategy='fx'")
+            why = partition_support()
+            if why is not None:
+                raise ConfigError(f"split_strategy='inductor_partition' needs Inductor's graph-partition hooks (torch >= "
+                                  f"{PARTITION_MIN_TORCH}): {why}; upgrade torch or use split_strategy='fx'")
         w = self.cudagraph_num_warmups
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ConfigError(f"cudagraph_num_warmups={w!r} must be an integer >= 0 (eager runs before each capture)")
@@ -286,6 +314,29 @@ class CompilationConfig:
                     raise ConfigError(f"{key}={env[key]!r} is not a valid {field}") from None
         data.update(overrides)
         return cls.from_dict(data)
+
+
+def partition_support() -> str | None:
+    """Why this torch cannot run ``split_strategy="inductor_partition"`` (the missing hooks named),
+    or None. Needs ``torch._inductor.config.graph_partition`` and ``custom_should_partition_ops``,
+    ``torch._inductor.utils.set_customized_partition_wrappers`` (and the slot it sets) and
+    ``torch._inductor.scheduler.Scheduler.should_partition``. Imports Inductor (~1.5 s the first
+    time in a process), so it runs only for that strategy."""
+    import torch
+
+    try:
+        from torch._inductor import config as inductor_config
+        from torch._inductor import scheduler, utils
+    except ImportError as e:  # a torch built without Inductor
+        return f"torch {torch.__version__} has no Inductor ({e})"
+    missing = [name for obj, attr, name in (
+        (inductor_config, "graph_partition", "torch._inductor.config.graph_partition"),
+        (inductor_config, "custom_should_partition_ops", "torch._inductor.config.custom_should_partition_ops"),
+        (utils, "set_customized_partition_wrappers", "torch._inductor.utils.set_customized_partition_wrappers"),
+        (utils, "_unstable_customized_partition_wrapper", "torch._inductor.utils._unstable_customized_partition_wrapper"),
+        (getattr(scheduler, "Scheduler", None), "should_partition", "torch._inductor.scheduler.Scheduler.should_partition"),
+    ) if not hasattr(obj, attr)]
+    return f"torch {torch.__version__} lacks {', '.join(missing)}" if missing else None
 
 
 def _check_field_names(names: Any) -> None:

@@ -27,8 +27,10 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..errors import CompileError
+from ..ops import resolve_splitting_ops
 from . import isa_record
 from .base import CompiledPiece, CompilerAdaptor, CompileTarget
+from .partition import PartitionedCallable, PartitionMarker, partition_scope
 
 log = logging.getLogger("piecewise")
 
@@ -50,6 +52,9 @@ class InductorAdaptor(CompilerAdaptor):
         self.passes = PostGradPassManager.from_config(config)
         self._hash: str | None = None
         self._root: str | None = None  # the cache root `prepare` was given (where an ISA probe is recorded)
+        #: splitting ops Inductor partitions at (split_strategy="inductor_partition"), else None
+        self.partition_ops: tuple[str, ...] | None = (
+            resolve_splitting_ops(config.splitting_ops) if config.split_strategy == "inductor_partition" else None)
 
     def compute_hash(self) -> str:
         if self._hash is None:
@@ -92,6 +97,13 @@ class InductorAdaptor(CompilerAdaptor):
         return {"cpu_vec_isa": cpu, "cuda_capability": cuda}
 
     def compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget) -> CompiledPiece:
+        if self.partition_ops is None:
+            return self._compile(graph, example_inputs, target)
+        with partition_scope(self.partition_ops, example_inputs) as slots:
+            piece = self._compile(graph, example_inputs, target)
+        return CompiledPiece(PartitionedCallable(piece.fn, slots), piece.payload)
+
+    def _compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget) -> CompiledPiece:
         try:
             art = self._standalone_compile(graph, example_inputs, target)
         except Exception as e:
@@ -129,10 +141,13 @@ class InductorAdaptor(CompilerAdaptor):
     def _patches_for(self, target: CompileTarget) -> dict[str, Any]:
         """The Inductor config patches of one compile: ours plus the pass manager for `target`."""
         patches = dict(self.config_patches)
-        if self.passes.passes:  # none configured: keep Inductor's cache shared across targets
+        ours = [self.passes.for_target(target)] if self.passes.passes else []  # none: keep Inductor's cache shared across targets
+        if self.partition_ops is not None:
+            ours.append(PartitionMarker())
+        if ours:
             user = patches.get("post_grad_custom_post_pass")
             user = list(user) if isinstance(user, (list, tuple)) else [user] if user else []
-            patches["post_grad_custom_post_pass"] = _post_passes([self.passes.for_target(target), *user])
+            patches["post_grad_custom_post_pass"] = _post_passes([*ours, *user])
         return patches
 
     def prepare(self, device: str, root: str | None = None) -> None:
@@ -159,11 +174,15 @@ class InductorAdaptor(CompilerAdaptor):
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
 
-        fn = AOTCompiledArtifact.deserialize(payload)
+        if self.partition_ops is None:
+            fn = AOTCompiledArtifact.deserialize(payload)
+        else:
+            # Inductor wraps the partitions while it rebuilds the callable; no scheduling happens
+            with partition_scope(self.partition_ops, gpu=True) as slots:
+                fn = AOTCompiledArtifact.deserialize(payload)
         # A loaded artifact returns its outputs as a list; the piece's graph may return one value.
-        if _returns_single_value(graph):
-            return lambda *args: fn(*args)[0]
-        return fn
+        out = (lambda *args: fn(*args)[0]) if _returns_single_value(graph) else fn
+        return out if self.partition_ops is None else PartitionedCallable(out, slots)
 
 
 def _patches_isa(patches: dict[str, Any]) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..compilers.partition import PartitionedCallable
 from ..counters import counters
 from ..forward_context import RuntimeMode
 from .dispatch import GraphDispatcher, StaticInput, Stitched
@@ -193,10 +194,21 @@ def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[
     wrappers: list[PieceGraphWrapper] = []
     if mode in ("piecewise", "full_and_piecewise"):
         for i, r in enumerate(runners):
-            w = PieceGraphWrapper(r, pool, mode=RuntimeMode.PIECEWISE, first=(i == 0), name=r.name)
-            stitched.split_gm.__dict__[r.name] = w
-            wrappers.append(w)
-        counters.bump("capturable_pieces", len(runners), tag=tag)
+            partitioned = [fn for fn in dict.fromkeys(r.callables) if isinstance(fn, PartitionedCallable)]
+            if not partitioned:
+                w = PieceGraphWrapper(r, pool, mode=RuntimeMode.PIECEWISE, first=(i == 0), name=r.name)
+                stitched.split_gm.__dict__[r.name] = w
+                wrappers.append(w)
+                continue
+            # Inductor partitions (split_strategy="inductor_partition"): one wrapper per partition of
+            # every compile entry's callable; a size only ever reaches the entry it dispatches to
+            for e, fn in enumerate(partitioned):
+                for slot in fn.partitions:
+                    w = PieceGraphWrapper(slot.unpacked, pool, mode=RuntimeMode.PIECEWISE, first=(i == 0 and slot.index == 0),
+                                          name=f"{r.name}.partition_{slot.index}" + (f"[entry {e}]" if len(partitioned) > 1 else ""))
+                    slot.install(w)
+                    wrappers.append(w)
+        counters.bump("capturable_pieces", len(wrappers), tag=tag)
     dispatcher = GraphDispatcher(stitched, pool, sizes, static_inputs=[StaticInput(i, d) for i, d in plan.static_inputs],
                                  output_dims=list(plan.output_dims), cudagraph_mode=mode, max_num_tokens=config.max_num_tokens,
                                  tag=tag)
