@@ -59,15 +59,18 @@ def test_warm_process_runs_no_trace_and_no_compile(tmp_path, model):
     assert warm["warnings"] == []
 
 
-def test_warm_process_with_inductor_and_compile_sizes(tmp_path):
+@pytest.mark.parametrize("strategy, artifacts", [("fx", 6), ("inductor_partition", 2)])
+def test_warm_process_with_inductor_and_compile_sizes(tmp_path, strategy, artifacts):
     root = str(tmp_path / "c")
-    args = ["--model", "toy2", "--backend", "inductor", "--sizes", "4", "--check-sizes", "1,4,5,16"]
+    args = ["--model", "toy2", "--backend", "inductor", "--sizes", "4", "--check-sizes", "1,4,5,16",
+            "--split-strategy", strategy]
     cold, cc = run(root, *args)
     assert cold["equal"] and cc["bundles_saved"] == 1
     warm, c = run(root, *args)
     assert warm["equal"]
     assert (c["dynamo_traces"], c["compiler_invocations"], c["bundle_hits"]) == (0, 0, 1)
-    assert c["cache_loads"] == cc["artifacts_saved"] == 6  # 3 distinct pieces x (general, size 4)
+    # FX split: 3 distinct pieces x (general, size 4); Inductor partition: the whole graph x 2
+    assert c["cache_loads"] == cc["artifacts_saved"] == artifacts
 
 
 MODEL_SRC = '''

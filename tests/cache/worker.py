@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--source", help="a .py file defining Model (a traced source file)")
     ap.add_argument("--model-args", default="{}", help="JSON keyword arguments for the model's constructor")
     ap.add_argument("--backend", default="code")
+    ap.add_argument("--split-strategy", default="fx")
     ap.add_argument("--max-num-tokens", type=int, default=16)
     ap.add_argument("--sizes", default="")
     ap.add_argument("--splitting-ops", default="")
@@ -53,7 +54,7 @@ def main() -> int:
         k, v = kv.split("=", 1)
         opts[k] = eval(v)  # test-only CLI input
     cfg = pw.CompilationConfig(
-        backend=args.backend, max_num_tokens=args.max_num_tokens,
+        backend=args.backend, max_num_tokens=args.max_num_tokens, split_strategy=args.split_strategy,
         compile_sizes=[int(s) for s in args.sizes.split(",") if s],
         splitting_ops=[s for s in args.splitting_ops.split(",") if s] or None, inductor_options=opts,
     )

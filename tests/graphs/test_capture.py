@@ -10,17 +10,26 @@ from piecewise.graphs import Phase, batch_hint
 from piecewise.models.toy import ToyTransformer, TwoSplitModel
 
 
-def _compile(model, **kw):
+@pytest.fixture(params=["fx", "inductor_partition"])
+def strategy(request):
+    """Both split strategies: the FX split (eager adaptor, no codegen) and Inductor's partitions
+    (one whole-graph Inductor compile, each partition wrapped for capture)."""
+    return request.param
+
+
+def _compile(model, strategy="fx", **kw):
+    if strategy == "inductor_partition":
+        kw.update(backend="inductor", split_strategy=strategy)
     kw.setdefault("backend", "eager")
     kw.setdefault("max_num_tokens", 32)
     kw.setdefault("cudagraph_capture_sizes", [4, 8, 16])
     return pw.compile(model, CompilationConfig(**kw), dynamic_arg_dims={"x": 0})
 
 
-def test_warmup_capture_replay_counts_and_equality_every_size():
+def test_warmup_capture_replay_counts_and_equality_every_size(strategy):
     model = ToyTransformer(num_layers=3, dim=16)
     with fake_cpu_platform() as plat:
-        cm = _compile(model)
+        cm = _compile(model, strategy=strategy)
         gen = torch.Generator().manual_seed(0)
         with counters.expect(graphs_captured=3 * 4, capturable_pieces=4, recompiles=0):
             x = torch.randn(3, 16, generator=gen)
@@ -40,7 +49,7 @@ def test_warmup_capture_replay_counts_and_equality_every_size():
         assert counters.by_tag[cm.tag].graph_replays == counters.graph_replays
 
 
-def test_pad_rows_zero_and_forward_context_has_real_and_padded_counts():
+def test_pad_rows_zero_and_forward_context_has_real_and_padded_counts(strategy):
     seen = []
 
     @pw.splitting_op("pw_test_graphs::peek", mutates_args=())
@@ -58,7 +67,7 @@ def test_pad_rows_zero_and_forward_context_has_real_and_padded_counts():
             return torch.ops.pw_test_graphs.peek(x + 0) * 2
 
     with fake_cpu_platform():
-        cm = _compile(M())
+        cm = _compile(M(), strategy=strategy)
         x = torch.randn(5, 2) + 10
         cm(x)  # the first padded call checks that padding leaves real rows alone (unpadded result)
         out = cm(x)
@@ -68,10 +77,10 @@ def test_pad_rows_zero_and_forward_context_has_real_and_padded_counts():
         assert (n, padded, mode, rows) == (5, 8, "piecewise", 8) and pad_sum == 0.0
 
 
-def test_failed_capture_falls_back_to_next_size():
+def test_failed_capture_falls_back_to_next_size(strategy):
     model = TwoSplitModel()
     with fake_cpu_platform(fail_sizes={8}):
-        cm = _compile(model)
+        cm = _compile(model, strategy=strategy)
         with pytest.warns(RuntimeWarning, match="size 8"):
             cm(torch.randn(2, 8))
         dispatcher = cm.backend.compiled.graphs
@@ -81,10 +90,10 @@ def test_failed_capture_falls_back_to_next_size():
         assert pw.forward_context() is None
 
 
-def test_out_of_memory_skips_the_remaining_sizes():
+def test_out_of_memory_skips_the_remaining_sizes(strategy):
     model = TwoSplitModel()
     with fake_cpu_platform(oom_sizes={8}) as plat:
-        cm = _compile(model)
+        cm = _compile(model, strategy=strategy)
         with pytest.warns(RuntimeWarning, match="out of memory"):
             cm(torch.randn(2, 8))
         assert set(plat.captured_sizes) == {16}
@@ -104,10 +113,10 @@ class _WithBias(torch.nn.Module):
 
 
 @pytest.mark.parametrize("reassign", ["parameter", "buffer", "load_state_dict_assign"])
-def test_weight_or_buffer_reassigned_after_every_size_replayed_is_followed_by_recapture(reassign):
+def test_weight_or_buffer_reassigned_after_every_size_replayed_is_followed_by_recapture(reassign, strategy):
     with fake_cpu_platform():
         model = _WithBias()
-        cm = _compile(model)
+        cm = _compile(model, strategy=strategy)
         gen = torch.Generator().manual_seed(1)
         for n in (3, 7, 12, 3, 7, 12):  # every capture size replayed, addresses checked once each
             cm(torch.randn(n, 8, generator=gen))
@@ -125,19 +134,19 @@ def test_weight_or_buffer_reassigned_after_every_size_replayed_is_followed_by_re
         assert counters.graphs_captured == 2 * captured, "every size captured again, once"
 
 
-def test_moved_address_not_announced_is_caught_at_replay():
+def test_moved_address_not_announced_is_caught_at_replay(strategy):
     """``p.data = t`` moves memory behind nn.Module's back (no epoch change): the replay-time address
     check still refuses it on a size's first replay, and on every replay with debug=True."""
     with fake_cpu_platform():
         model = _WithBias()
-        cm = _compile(model)
+        cm = _compile(model, strategy=strategy)
         cm(torch.randn(3, 8))  # replays size 4 once: checked
         model.bias.data = torch.zeros(8)
         with pytest.raises(pw.CaptureError, match="moved since capture"):
             cm(torch.randn(7, 8))  # the first replay of size 8 checks addresses
         torch._dynamo.reset()
         model = _WithBias()
-        cm = _compile(model, debug=True)
+        cm = _compile(model, debug=True, strategy=strategy)
         cm(torch.randn(3, 8))
         cm(torch.randn(3, 8))
         model.bias.data = torch.zeros(8)
@@ -327,11 +336,11 @@ def test_warm_up_failure_is_a_capture_error_naming_piece_and_size():
         assert "no kernel for 16 rows" in str(info.value)
 
 
-def test_full_and_full_and_piecewise_modes_nest():
+def test_full_and_full_and_piecewise_modes_nest(strategy):
     model = ToyTransformer(num_layers=2, dim=16)
     for mode in ("full", "full_and_piecewise"):
         with fake_cpu_platform() as plat:
-            cm = _compile(model, cudagraph_mode=mode)
+            cm = _compile(model, cudagraph_mode=mode, strategy=strategy)
             for n in (3, 9, 16, 1):
                 for uniform in (False, True):
                     with batch_hint(uniform_decode=uniform):
@@ -372,7 +381,7 @@ def test_a_second_model_captures_cleanly_after_the_first_is_deleted():
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_reference_decoder_decode_under_graphs_equals_eager(mode):
+def test_reference_decoder_decode_under_graphs_equals_eager(mode, strategy):
     from piecewise.models import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
 
     cfg = LlamaConfig(num_layers=2)
@@ -386,7 +395,8 @@ def test_reference_decoder_decode_under_graphs_equals_eager(mode):
     ref = decode(ref_model, ref_model)
     with fake_cpu_platform():
         model = LlamaForCausalLM(cfg, seed=5)
-        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64, cudagraph_mode=mode,
+        adaptor = dict(backend="inductor", split_strategy=strategy) if strategy != "fx" else dict(backend="eager")
+        cm = pw.compile(model, CompilationConfig(**adaptor, max_num_tokens=64, cudagraph_mode=mode,
                                                  cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32]),
                         dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
         with counters.expect(recompiles=0):
@@ -426,17 +436,17 @@ def test_sub_batch_replay_gathers_rows_pads_and_slices():
         torch.testing.assert_close(sub(index, batch, bias), head(batch[index], bias[index]))
 
 
-def test_warm_start_from_a_bundle_captures_and_replays_like_a_traced_model(tmp_path):
+def test_warm_start_from_a_bundle_captures_and_replays_like_a_traced_model(tmp_path, strategy):
     import gc
 
     cfg = dict(cache_dir=str(tmp_path / "c"), cudagraph_capture_sizes=[4, 8, 16])
     with fake_cpu_platform():
-        cold = _compile(ToyTransformer(num_layers=3, dim=16), **cfg)
+        cold = _compile(ToyTransformer(num_layers=3, dim=16), **cfg, strategy=strategy)
         cold(torch.randn(3, 16))
         del cold
         gc.collect()  # frees the tag: the next model gets the same one, and the bundle
         model = ToyTransformer(num_layers=3, dim=16)
-        cm = _compile(model, **cfg)
+        cm = _compile(model, **cfg, strategy=strategy)
         gen = torch.Generator().manual_seed(1)
         with counters.expect(bundle_hits=1, dynamo_traces=0, compiler_invocations=0, graphs_captured=3 * 4,
                              capturable_pieces=4, recompiles=0):
@@ -447,12 +457,12 @@ def test_warm_start_from_a_bundle_captures_and_replays_like_a_traced_model(tmp_p
 
 
 @pytest.mark.parametrize("warmups", [0, 1, 3])
-def test_cudagraph_num_warmups_eager_runs_before_each_capture(warmups):
+def test_cudagraph_num_warmups_eager_runs_before_each_capture(warmups, strategy):
     """Every piece runs eagerly `cudagraph_num_warmups` times at each capture size, then captures;
     results equal eager whatever the count (0: capture on the first run)."""
     model = ToyTransformer(num_layers=2, dim=16)
     with fake_cpu_platform() as plat:
-        cm = _compile(model, cudagraph_num_warmups=warmups, cudagraph_capture_sizes=[4, 8])
+        cm = _compile(model, cudagraph_num_warmups=warmups, cudagraph_capture_sizes=[4, 8], strategy=strategy)
         gen = torch.Generator().manual_seed(1)
         with counters.expect(graphs_captured=3 * 2, recompiles=0):
             for n in (3, 8, 1, 5):
