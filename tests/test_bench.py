@@ -129,3 +129,39 @@ def test_generation_table_ratios_against_the_recipe_and_failures():
     cells = [c.strip() for c in pw_row.strip("|").split("|")]
     assert cells[6] == "0.50" and cells[7] == "0.25"  # half the recipe's step time, a quarter of its warm first token
     assert "failed: timed out after 900 s" in md
+
+
+def test_partition_worker_counts_no_recompiles_and_the_strategy_table_compares_it():
+    part = _worker("--system", "piecewise-partition", "--layers", "1", "--steps", "3", "--batches", "1,4", "--sizes", "8")
+    assert part["recompiles"] == 0 and part["pieces"] == 1  # one whole-graph piece, cut by Inductor
+    assert part["counters"]["compiler_invocations"] == 1
+
+    def run(first, comp):
+        return {"first_output_s": first[0], "compile_s": comp[0], "first_output_s_runs": first, "compile_s_runs": comp,
+                "peak_rss_mb": 300.0, "compile_method": "m"}
+
+    def lat(us):
+        return {"latency": {"1": {"median_us": us[0], "p10_us": us[0], "p90_us": us[0], "median_runs_us": us}}, "recompiles": 0}
+
+    from piecewise.bench.suite import TARGETS
+
+    res = {"machine": {"platform": "p", "cpus": 2, "processor": "x", "torch": "t", "threads": 2, "date": "d"},
+           "config": {"steady_layers": 2, "steps": 5, "sizes": 4, "warm_repeats": 2, "cold_repeats": 1, "steady_repeats": 2},
+           "targets": TARGETS,
+           "startup": {"full/2": {"cold": run([20.0], [19.0]), "warm": run([3.0, 3.0], [2.0, 2.0])},
+                       "piecewise-inductor/2": {"cold": run([10.0], [9.0]), "warm": run([1.0, 1.0], [0.5, 0.5]),
+                                                "warm_traced": run([2.0, 2.0], [1.0, 1.0])},
+                       "piecewise-partition/2": {"cold": run([15.0], [14.0]), "warm": run([1.5, 2.0], [1.0, 1.0])}},
+           "steady": {"eager": lat([400.0, 400.0]), "full": lat([100.0, 200.0]), "piecewise-inductor": lat([120.0, 200.0]),
+                      "piecewise-partition": lat([90.0, 300.0]), "piecewise-eager": lat([300.0, 300.0])}}
+    res["summary"] = summarize(res, BenchConfig(layers=(2,), batches=(1,)))
+    (p,) = res["summary"]["partition_startup"]
+    assert p["cold_vs_full"]["runs"] == [0.75] and p["cold_vs_fx"]["runs"] == [1.5]
+    assert p["warm_vs_fx"]["runs"] == [1.5, 2.0] and p["warm_compile_vs_fx"]["runs"] == [2.0, 2.0]
+    (row,) = res["summary"]["steady"]
+    assert row["partition_vs_full"]["runs"] == [0.9, 1.5] and row["partition_vs_fx"]["runs"] == [0.75, 1.5]
+    md = to_markdown(res)
+    assert "Split strategies side by side" in md
+    line = next(ln for ln in md.splitlines() if ln.startswith("| 2 | 15.00 |"))
+    assert [c.strip() for c in line.strip("|").split("|")][2:4] == ["0.75", "1.50"]
+    assert "partition / full in each interleaved round: batch 1: 0.90, 1.50" in md

@@ -9,7 +9,9 @@ positions ~128 deep in the KV cache) for:
 * ``torch.compile(mode="reduce-overhead")``: Inductor plus PyTorch's own CUDA graph trees, one graph
   recorded per distinct batch size (``compile reduce-overhead``);
 * piecewise Inductor pieces replayed as CUDA graphs per capture size (``piecewise graphs``);
-* piecewise with the whole forward as one CUDA graph (``piecewise full``).
+* piecewise with the whole forward as one CUDA graph (``piecewise full``);
+* piecewise with ``split_strategy="inductor_partition"``: one Inductor compile of the whole graph,
+  its partitions between the splitting ops replayed as CUDA graphs (``piecewise partition``).
 
 Each system times ``steps`` steps per batch size after 5 warm-up steps of that size, fresh token ids
 on every step; the figure is the median wall time per step in microseconds, the device synchronized
@@ -28,7 +30,7 @@ import time
 
 import torch
 
-SYSTEMS = ("eager", "compile default", "compile reduce-overhead", "piecewise graphs", "piecewise full")
+SYSTEMS = ("eager", "compile default", "compile reduce-overhead", "piecewise graphs", "piecewise full", "piecewise partition")
 
 
 def _step_inputs(cfg, b: int, device: str):
@@ -62,9 +64,11 @@ def _build(name: str, model, dims):
         return torch.compile(model, backend="inductor", fullgraph=True)
     if name == "compile reduce-overhead":
         return torch.compile(model, backend="inductor", fullgraph=True, mode="reduce-overhead")
-    mode = {"piecewise graphs": "piecewise", "piecewise full": "full"}[name]
+    mode, strategy = {"piecewise graphs": ("piecewise", "fx"), "piecewise full": ("full", "fx"),
+                      "piecewise partition": ("piecewise", "inductor_partition")}[name]
     return pw.compile(model, pw.CompilationConfig(backend="inductor", max_num_tokens=64, cudagraph_mode=mode,
-                                                  tag=f"gpu_decode_{mode}"), dynamic_arg_dims=dims)
+                                                  split_strategy=strategy, tag=f"gpu_decode_{mode}_{strategy}"),
+                      dynamic_arg_dims=dims)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,10 +2,12 @@
 
 Phases, each measurement in its own process:
 
-* cold, per layer count: `full` and `piecewise-inductor` with empty Inductor and piecewise caches;
+* cold, per layer count: `full`, `piecewise-inductor` (the FX split) and `piecewise-partition`
+  (``split_strategy="inductor_partition"``) with empty Inductor and piecewise caches;
 * warm, per layer count: the same again, caches now filled (a restarted replica);
-* steady state at one layer count: `eager`, `full`, `piecewise-inductor`, `piecewise-eager`,
-  median/p10/p90 step latency per batch size, and recompiles across distinct sizes.
+* steady state at one layer count: `eager`, `full`, `piecewise-inductor`, `piecewise-partition`,
+  `piecewise-eager`, median/p10/p90 step latency per batch size, and recompiles across distinct
+  sizes.
 
 Figures are ratios to a baseline from the same run: cold/warm compile against `full`, step latency
 against `full` (and `eager`), dispatch overhead as (piecewise-eager - eager) / pieces. Repeated
@@ -137,7 +139,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
         "config": dataclasses.asdict(cfg), "targets": TARGETS, "startup": {}, "steady": {},
     }
     with tempfile.TemporaryDirectory(prefix="piecewise-bench-") as tmp:
-        startup = ("full", "piecewise-inductor")
+        startup = ("full", "piecewise-inductor", "piecewise-partition")
         for layers in cfg.layers:
             args = {system: ["--system", system, "--layers", str(layers)] for system in startup}
 
@@ -145,7 +147,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, f"ind-{system}-{layers}{suffix}"),
                         "PIECEWISE_CACHE_DIR": os.path.join(tmp, f"pw-{system}-{layers}{suffix}")}
 
-            runs: dict[str, list[dict[str, Any]]] = {"full": [], "piecewise-inductor": [], "traced": []}
+            runs: dict[str, list[dict[str, Any]]] = {"full": [], "piecewise-inductor": [], "piecewise-partition": [],
+                                                     "traced": []}
             colds: dict[str, list[dict[str, Any]]] = {system: [] for system in startup}
             for r in range(max(1, cfg.cold_repeats)):  # round r: every system from empty caches (round 0's stay for warm)
                 for system in startup:
@@ -153,6 +156,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
             for _ in range(cfg.warm_repeats):  # interleaved rounds: a slow spell of the machine hits every system
                 runs["full"].append(_worker(args["full"], env("full")))
                 runs["piecewise-inductor"].append(_worker(args["piecewise-inductor"], env("piecewise-inductor")))
+                runs["piecewise-partition"].append(_worker(args["piecewise-partition"], env("piecewise-partition")))
                 # the same warm start with the trace (before warm-start bundles); writes nothing to the cache
                 runs["traced"].append(_worker(args["piecewise-inductor"],
                                               {**env("piecewise-inductor"), "PIECEWISE_DISABLE_BUNDLE": "1"}))
@@ -167,7 +171,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
             log(f"  {'piecewise-inductor':20s} {layers:3d} layers: warm with a trace (no bundle): compile phase "
                 f"{traced['compile_s']:.2f}s")
         L = cfg.steady_layers
-        systems = ("eager", "full", "piecewise-inductor", "piecewise-eager")
+        systems = ("eager", "full", "piecewise-inductor", "piecewise-partition", "piecewise-eager")
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
         for _ in range(cfg.steady_repeats):  # interleaved rounds: a slow spell of the machine hits every system
             for system in systems:
@@ -234,7 +238,7 @@ def padding_waste_report(max_size: int = 512) -> dict[str, Any]:
 
 
 def summarize(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
-    s: dict[str, Any] = {"startup": [], "steady": [], "dispatch": [], "recompiles": {}}
+    s: dict[str, Any] = {"startup": [], "partition_startup": [], "steady": [], "dispatch": [], "recompiles": {}}
     def runs(run: dict[str, Any], key: str) -> list[float]:  # every process's figure, in round order
         return run.get(f"{key}_runs") or [run[key]]
 
@@ -255,6 +259,14 @@ def summarize(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
             "compile_method_pw": pw["warm"].get("compile_method", "first call - eager first call (older worker)"),
             "rss_full_mb": full["cold"]["peak_rss_mb"], "rss_pw_mb": pw["cold"]["peak_rss_mb"],
         })
+        part = res["startup"].get(f"piecewise-partition/{layers}")
+        if part is not None:  # results of runs before the partition strategy have none
+            qc, qw, qwc = runs(part["cold"], "first_output_s"), runs(part["warm"], "first_output_s"), runs(part["warm"], "compile_s")
+            s["partition_startup"].append({
+                "layers": layers, "cold_s": spread(qc), "cold_vs_full": paired_ratio(qc, fc), "cold_vs_fx": paired_ratio(qc, pc),
+                "warm_s": spread(qw), "warm_vs_fx": paired_ratio(qw, pwf), "warm_compile_s": spread(qwc),
+                "warm_compile_vs_full": paired_ratio(qwc, fwc), "warm_compile_vs_fx": paired_ratio(qwc, pwc),
+                "rss_mb": part["cold"]["peak_rss_mb"]})
     st = res["steady"]
     pieces = st["piecewise-eager"].get("pieces", 1) or 1
     for b in map(str, cfg.batches):
@@ -264,6 +276,11 @@ def summarize(res: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
         med = {k: row[k].get("median_runs_us") or [row[k]["median_us"]] for k in ("eager", "full", "piecewise-inductor", "piecewise-eager")}
         row["pw_vs_full"] = paired_ratio(med["piecewise-inductor"], med["full"])
         row["pw_vs_eager"] = paired_ratio(med["piecewise-inductor"], med["eager"])
+        if "piecewise-partition" in st:
+            row["piecewise-partition"] = st["piecewise-partition"]["latency"][b]
+            part = row["piecewise-partition"].get("median_runs_us") or [row["piecewise-partition"]["median_us"]]
+            row["partition_vs_full"] = paired_ratio(part, med["full"])
+            row["partition_vs_fx"] = paired_ratio(part, med["piecewise-inductor"])
         s["steady"].append(row)
         s["dispatch"].append({"batch": int(b), "pieces": pieces,
                               "us_per_piece": spread([(p - e) / pieces for p, e in zip(med["piecewise-eager"], med["eager"])])})
@@ -330,6 +347,28 @@ def to_markdown(res: dict[str, Any]) -> str:
             rounds.append(f"batch {r['batch']}: " + ", ".join(f"{p / f:.2f}" for p, f in zip(pw_runs, full_runs)))
     if rounds:
         out += ["", "piecewise / full in each interleaved round: " + "; ".join(rounds)]
+    if s.get("partition_startup"):
+        out += ["", "Split strategies side by side (same run): `piecewise-inductor` is the FX split (identical pieces "
+                "compiled once), `piecewise-partition` is split_strategy='inductor_partition' (the whole graph compiled "
+                "by Inductor once, cut at the splitting ops inside its code). Ratios as above, per round:", "",
+                "| layers | partition cold s | vs full | vs FX split | partition warm first output s | vs FX split | "
+                "partition warm compile s | vs full | vs FX split | peak RSS MB |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in s["partition_startup"]:
+            out.append("| " + " | ".join([str(r["layers"])] + [fmt_spread(r[k]) for k in (
+                "cold_s", "cold_vs_full", "cold_vs_fx", "warm_s", "warm_vs_fx", "warm_compile_s", "warm_compile_vs_full",
+                "warm_compile_vs_fx")] + [f"{r['rss_mb']:.0f}"]) + " |")
+        if s["steady"] and "piecewise-partition" in s["steady"][0]:
+            out += ["", "| batch | FX split us | partition us | partition / full | partition / FX split |", "|---:|---:|---:|---:|---:|"]
+            for r in s["steady"]:
+                out.append(f"| {r['batch']} | {cell(r['piecewise-inductor'])} | {cell(r['piecewise-partition'])} | "
+                           f"{fmt_spread(r['partition_vs_full'])} | {fmt_spread(r['partition_vs_fx'])} |")
+            prounds = []
+            for r in s["steady"]:
+                q, f = r["piecewise-partition"].get("median_runs_us"), r["full"].get("median_runs_us")
+                if q and f and len(q) == len(f) > 1:
+                    prounds.append(f"batch {r['batch']}: " + ", ".join(f"{a / b:.2f}" for a, b in zip(q, f)))
+            if prounds:
+                out += ["", "partition / full in each interleaved round: " + "; ".join(prounds)]
     d = res.get("dispatch")
     if d:
         out += ["", f"Dispatch overhead per piece (target <= {t['dispatch_us_per_piece']} us): a piece's runner against "

@@ -55,7 +55,9 @@ def _compiled(system: str, model, max_tokens: int):
     import piecewise as pw
 
     backend = system.split("-", 1)[1]
-    return pw.compile(model, pw.CompilationConfig(backend=backend, max_num_tokens=max_tokens, tag=f"bench_{backend}"),
+    # piecewise-partition: Inductor partitions the whole graph at the splitting ops (split_strategy)
+    fields = dict(backend="inductor", split_strategy="inductor_partition") if backend == "partition" else dict(backend=backend)
+    return pw.compile(model, pw.CompilationConfig(**fields, max_num_tokens=max_tokens, tag=f"bench_{backend}"),
                       dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
 
 
@@ -205,7 +207,7 @@ def replay_overhead(layers: int = 16, calls: int = 3000) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--system", required=True, choices=["eager", "full", "piecewise-inductor", "piecewise-eager", "dispatch",
+    ap.add_argument("--system", required=True, choices=["eager", "full", "piecewise-inductor", "piecewise-partition", "piecewise-eager", "dispatch",
                                                         "replay"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batches", default="1,8,64")
