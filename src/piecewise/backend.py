@@ -27,6 +27,7 @@ from .cache.remote import claim_or_wait, remote_cache, remote_url
 from .cache.store import CacheEntry, current_rank, resolve_root, shares_across_ranks
 from .compilers import CompiledPiece, CompilerAdaptor, get_adaptor
 from .compilers.inductor import dispatch_symbol
+from .compilers.partition import uncuttable_ops
 from .config import CompilationConfig
 from .counters import counters
 from .compiled import (CompiledForward, CompiledPlan, Load, Rebuild, Reuse, RunnerSpec, SizeRefusal, Step, StitchedForward,
@@ -222,8 +223,17 @@ class PiecewiseBackend:
         partition = self.config.split_strategy == "inductor_partition"
         # Inductor partition: the whole graph is one piece; Inductor cuts its code at the ops
         result = split_graph(gm, () if partition else self.split_ops)
-        found = any(is_splitting_node(n, frozenset(self.split_ops)) for n in gm.graph.nodes) if partition \
-            else result.num_splitting > 0
+        if partition:
+            targets = {n.target for n in gm.graph.nodes if is_splitting_node(n, frozenset(self.split_ops))}
+            bad = uncuttable_ops(list(targets))
+            if bad:
+                raise ConfigError(f"[{self.tag}] split_strategy='inductor_partition' cannot cut at {bad}: Inductor "
+                                  "decomposes or generates code for them, so they would be fused into a partition instead "
+                                  "of running eagerly between partitions. Make the splitting op a torch.library custom op "
+                                  "(piecewise.splitting_op), or use split_strategy='fx'")
+            found = bool(targets)
+        else:
+            found = result.num_splitting > 0
         if self.config.mode == "piecewise" and not found:
             counters.bump("fallbacks", tag=self.tag)
             warnings.warn(

@@ -179,3 +179,19 @@ def test_a_cache_miss_after_a_strategy_change_names_the_factor(tmp_path, caplog)
         del cm
     misses = [r.getMessage() for r in caplog.records if "compile cache miss: differs from" in r.getMessage()]
     assert len(misses) == 1 and misses[0].endswith("in config.split_strategy"), misses
+
+
+def test_a_splitting_op_inductor_generates_code_for_is_refused_before_any_compile():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.aten._softmax(x.sin(), 0, False).cos()
+
+    model = M()
+    fx = CompilationConfig(backend="eager", splitting_ops=["aten::_softmax"], max_num_tokens=8)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(pw.compile(model, fx, dynamic_arg_dims={"x": 0})(x), model(x))  # the FX split cuts there
+    torch._dynamo.reset()
+    cfg = CompilationConfig(**PARTITION, splitting_ops=["aten::_softmax"], max_num_tokens=8)
+    with counters.expect(compiler_invocations=0):
+        with pytest.raises(pw.ConfigError, match=r"cannot cut at \['aten\._softmax\.default.*piecewise.splitting_op"):
+            pw.compile(model, cfg, dynamic_arg_dims={"x": 0})(x)

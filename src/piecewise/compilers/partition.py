@@ -39,9 +39,9 @@ import torch
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-__all__ = ["PartitionSlot", "PartitionedCallable", "PartitionMarker", "partition_scope"]
+__all__ = ["PartitionSlot", "PartitionedCallable", "PartitionMarker", "partition_scope", "uncuttable_ops"]
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 
 
 class PartitionSlot:
@@ -103,6 +103,25 @@ class PartitionMarker(CustomGraphPass):
 
     def uuid(self) -> Any:
         return "piecewise-inductor-partition-1"
+
+
+def uncuttable_ops(targets: Sequence[Any]) -> list[str]:
+    """The splitting-op targets of a graph (OpOverloads or packets) Inductor cannot cut at, as
+    names: Inductor partitions only at ops it leaves as fallback kernels (``torch.library`` custom
+    ops, aten ops registered as fallbacks); an op it decomposes or lowers to its own code (an aten
+    ``softmax``, ``bmm``) would be fused into a partition, so it would not run eagerly between
+    partitions as a splitting op must."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import fallbacks, lowerings
+
+    decomps = select_decomp_table()
+    out = []
+    for t in targets:
+        overloads = [getattr(t, name) for name in t.overloads()] if isinstance(t, torch._ops.OpOverloadPacket) else [t]
+        for op in overloads:
+            if op in decomps or (op in lowerings and op not in fallbacks):
+                out.append(str(op))
+    return sorted(set(out))
 
 
 def _is_gpu_graph(example_inputs: Sequence[Any]) -> bool:
