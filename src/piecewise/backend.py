@@ -381,7 +381,8 @@ class PiecewiseBackend:
             log.debug("[%s] compiled a piece for %s in %.3fs", self.tag, target.label, time.perf_counter() - t0)
             saved = False
             if self.cache is not None and piece.payload is not None:
-                saved = self.cache.save_artifact(name, piece.payload)
+                readable = self.adaptor.unpack(piece.payload, graph) if self.config.artifact_format == "unpacked" else None
+                saved = self.cache.save_artifact(name, piece.payload, readable)
                 counters.bump("artifacts_saved", tag=self.tag)
             if saved:
                 recipe.append(Load(name))

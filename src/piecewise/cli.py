@@ -72,6 +72,8 @@ def _cache(args: argparse.Namespace) -> int:
     if cmd == "show":
         e = tools.find_entry(root, args.entry)
         print(f"entry {e.rel}\npath  {e.path}\nartifacts {e.artifacts} ({e.bytes} bytes), {'valid' if e.valid else e.problem}")
+        for line in tools.artifact_lines(root, e):
+            print(line)
         with open(f"{e.path}/cache_key_factors.json") as f:
             print("factors:", json.dumps(json.load(f), indent=1, sort_keys=True))
         return 0

@@ -28,6 +28,8 @@ REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 DYNAMIC_SHAPES = ("backed_size_oblivious", "backed", "unbacked")
 #: where the graph is cut at splitting ops (`CompilationConfig.split_strategy`)
 SPLIT_STRATEGIES = ("fx", "inductor_partition")
+#: how compiled pieces are stored (`CompilationConfig.artifact_format`)
+ARTIFACT_FORMATS = ("binary", "unpacked")
 #: the first torch release with every Inductor hook the ``inductor_partition`` strategy uses
 PARTITION_MIN_TORCH = "2.9.1"
 
@@ -42,6 +44,7 @@ CODE_FIELDS = (
     "max_num_tokens",
     "dynamic_shapes",
     "split_strategy",
+    "artifact_format",  # changes no code, but what an entry holds: an unpacked entry always has its files
     "inductor_options",
     "passes",
     "noop_elimination",
@@ -117,6 +120,15 @@ class CompilationConfig:
             partition is captured per size like an FX piece (`piecewise.compilers.partition`).
             Needs ``backend="inductor"``, ``mode="piecewise"`` and torch >= 2.9.1 (its
             ``custom_should_partition_ops``).
+        artifact_format: how compiled pieces are kept in the compile cache (in the cache key, so an
+            entry holds what its format promises). ``"binary"`` (default): one file per piece and
+            compile target, the adaptor's payload (Inductor: its serialised AOT artifact).
+            ``"unpacked"``: the same file, which is still what loads, plus the readable form
+            beside it for debugging (``<artifact>.unpacked/``; Inductor: ``output_code.py``, the
+            generated wrapper with its partitions, each kernel's source under ``kernels/``, the
+            post-AOT graph; other adaptors: the piece's FX code), every file's size and sha256 in
+            the entry's index (checked by ``piecewise cache verify``, listed by ``cache show``).
+            Readable files stay local: the remote tier carries the binary only.
         cache_dir: root of the compile cache; ``None`` means ``PIECEWISE_CACHE_DIR`` or the
             platform's user cache dir.
         tag: the name of this compiled region (its own cache subdir and counters). ``None``
@@ -158,6 +170,7 @@ class CompilationConfig:
     cudagraph_num_warmups: int = 1
     dynamic_shapes: str = "backed_size_oblivious"
     split_strategy: str = "fx"
+    artifact_format: str = "binary"
     max_num_tokens: int = 512
     cache_dir: str | None = None
     tag: str | None = None
@@ -182,6 +195,8 @@ class CompilationConfig:
             raise ConfigError(f"cudagraph_mode={self.cudagraph_mode!r} is not one of {CUDAGRAPH_MODES}")
         if self.dynamic_shapes not in DYNAMIC_SHAPES:
             raise ConfigError(f"dynamic_shapes={self.dynamic_shapes!r} is not one of {DYNAMIC_SHAPES}")
+        if self.artifact_format not in ARTIFACT_FORMATS:
+            raise ConfigError(f"artifact_format={self.artifact_format!r} is not one of {ARTIFACT_FORMATS}")
         if self.split_strategy not in SPLIT_STRATEGIES:
             raise ConfigError(f"split_strategy={self.split_strategy!r} is not one of {SPLIT_STRATEGIES}")
         if self.split_strategy == "inductor_partition":

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -46,6 +47,9 @@ INDEX_FORMAT = 1
 INDEX, FACTORS, GRAPH, ARTIFACTS, QUARANTINE, LOCK = (
     "index.json", "cache_key_factors.json", "computation_graph.py", "artifacts", "quarantine", ".lock",
 )
+#: the directory of an artifact's readable files (``artifact_format="unpacked"``): ``<name>.<digest>.unpacked``
+UNPACKED_SUFFIX = ".unpacked"
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]+(?:/[A-Za-z0-9_.\-]+)*")
 _DISABLE_VALUES = ("1", "true", "yes", "on")
 
 _reported: set[str] = set()
@@ -398,9 +402,11 @@ class CacheEntry:
             self._disable_writes(e)
             return None
 
-    def save_artifact(self, name: str, payload: bytes) -> bool:
+    def save_artifact(self, name: str, payload: bytes, unpacked: Mapping[str, bytes] | None = None) -> bool:
         """Write `payload` as artifact `name` (recorded in the index at `commit`); returns whether
-        it was written."""
+        it was written. `unpacked` (``artifact_format="unpacked"``): readable files written beside
+        it in ``<artifact>.unpacked/`` (relative names of letters, digits, ``_.-`` and ``/``), each
+        file's size and sha256 recorded in the artifact's index record (its manifest)."""
         if not self.writable:
             return False
         digest = hashlib.sha256(payload).hexdigest()
@@ -409,14 +415,31 @@ class CacheEntry:
         # the other's index points to. Equal bytes mean equal names, so a lost rename race between
         # equal contents is a success.
         rel = f"{self.rel}/{ARTIFACTS}/{name}.{digest[:16]}.bin"
+        record: dict[str, Any] = {"file": rel, "sha256": digest, "bytes": len(payload)}
         try:
             make_dirs(os.path.join(self.path, ARTIFACTS))
             atomic_write(os.path.join(self.root, *rel.split("/")), payload)
+            if unpacked:
+                record["unpacked"] = self._write_unpacked(rel[: -len(".bin")] + UNPACKED_SUFFIX, unpacked)
         except OSError as e:
             self._disable_writes(e)
             return False
-        self.saved[name] = {"file": rel, "sha256": digest, "bytes": len(payload)}
+        self.saved[name] = record
         return True
+
+    def _write_unpacked(self, rel_dir: str, files: Mapping[str, bytes]) -> dict[str, Any]:
+        """Write `files` under `rel_dir` (relative to the root); their manifest for the index."""
+        manifest: dict[str, dict[str, Any]] = {}
+        for name, data in sorted(files.items()):
+            if not _SAFE_NAME.fullmatch(name) or ".." in name.split("/"):
+                log.warning("[%s] readable file %r of artifact %s not written: names must be relative, of letters, digits, "
+                            "'_.-' and '/' (the adaptor's unpack)", self.tag, name, rel_dir)
+                continue
+            path = os.path.join(self.root, *rel_dir.split("/"), *name.split("/"))
+            make_dirs(os.path.dirname(path))
+            atomic_write(path, data)
+            manifest[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        return {"dir": rel_dir, "files": manifest}
 
     def commit(self, meta: Mapping[str, Any], factors: Mapping[str, Any], graph_code: str) -> None:
         """Write the factors, the graph dump and then the index (merged with what other writers

@@ -24,7 +24,7 @@ from ..errors import CacheError
 from .key import NOT_IN_KEY, diff_factors, diff_items, env_factors
 from .store import FACTORS, INDEX, LOCK, QUARANTINE, CacheIndexError, make_dirs, check_permissions, read_index, remove_tree
 
-__all__ = ["EntryInfo", "list_entries", "find_entry", "verify", "explain", "clear", "export_archive", "import_archive"]
+__all__ = ["EntryInfo", "list_entries", "find_entry", "verify", "check_unpacked", "artifact_lines", "explain", "clear", "export_archive", "import_archive"]
 
 MANIFEST = "piecewise_manifest.json"
 # <key>/rank_<r>_<dp>/<tag>; a warm-start bundle's key may carry a variant: <start key>-<variant>
@@ -150,10 +150,55 @@ def verify(root: str) -> tuple[list[str], list[str]]:
                 continue
             if len(data) != rec["bytes"] or hashlib.sha256(data).hexdigest() != rec["sha256"]:
                 problems.append(f"{rel}: artifact {name}: checksum mismatch")
+            bad, missing = check_unpacked(root, rec)
+            problems += [f"{rel}: artifact {name}: readable file {f}: checksum mismatch" for f in bad]
+            if missing:
+                notes.append(f"{rel}: artifact {name}: {len(missing)} readable file(s) absent ({', '.join(missing[:3])}); "
+                             "the artifact itself is what loads (a remote pull brings the binary only)")
         q = os.path.join(path, QUARANTINE)
         if os.path.isdir(q) and os.listdir(q):
             notes.append(f"{rel}: {len(os.listdir(q))} file(s) in quarantine (bad files moved aside)")
     return problems, notes
+
+
+def check_unpacked(root: str, rec: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The readable files (``artifact_format="unpacked"``) of artifact record `rec` whose bytes
+    differ from the manifest's size and sha256, and those that are absent; ([], []) for a binary
+    artifact."""
+    up = rec.get("unpacked")
+    if not up:
+        return [], []
+    bad, missing = [], []
+    for name, want in up["files"].items():
+        try:
+            with open(os.path.join(root, *up["dir"].split("/"), *name.split("/")), "rb") as f:
+                data = f.read()
+        except OSError:
+            missing.append(name)
+            continue
+        if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+            bad.append(name)
+    return bad, missing
+
+
+def artifact_lines(root: str, info: EntryInfo) -> list[str]:
+    """One line per artifact of an entry (name, bytes), each followed by its readable files
+    (``artifact_format="unpacked"``: path under the root, bytes, and ``CHANGED`` / ``ABSENT``
+    where the manifest disagrees), for ``piecewise cache show``."""
+    try:
+        idx = read_index(os.path.join(info.path, INDEX))
+    except (CacheIndexError, OSError):
+        return []
+    out = []
+    for name, rec in idx["artifacts"].items():
+        out.append(f"  {name}  {rec['bytes']} bytes  {rec['file']}")
+        up = rec.get("unpacked")
+        if up:
+            bad, missing = check_unpacked(root, rec)
+            for f, want in up["files"].items():
+                state = "  CHANGED" if f in bad else "  ABSENT" if f in missing else ""
+                out.append(f"      {up['dir']}/{f}  {want['bytes']} bytes{state}")
+    return out
 
 
 def _factors(root: str, ref: str) -> tuple[str, dict[str, Any]]:

@@ -64,6 +64,12 @@ class CompilerAdaptor(abc.ABC):
         receive this call."""
         raise NotImplementedError(f"adaptor {self.name!r} does not load artifacts")
 
+    def unpack(self, payload: bytes, graph: torch.fx.GraphModule) -> dict[str, bytes]:
+        """The readable form of a saved artifact, for ``artifact_format="unpacked"``: relative
+        file name -> bytes (names of letters, digits, ``_.-`` and ``/``). Debugging only: the
+        payload is what loads. Default: the piece's FX code as ``piece.py``."""
+        return {"piece.py": graph.code.encode()}
+
     @property
     def saves_artifacts(self) -> bool:
         return False

@@ -185,6 +185,50 @@ class InductorAdaptor(CompilerAdaptor):
         return out if self.partition_ops is None else PartitionedCallable(out, slots)
 
 
+    def unpack(self, payload: bytes, graph: torch.fx.GraphModule) -> dict[str, bytes]:
+        """The artifact's readable form: ``piece.py`` (the piece's FX code), ``aot_forward_graph.txt``
+        (the graph Inductor lowered, after AOTAutograd), ``output_code.py`` (Inductor's generated
+        wrapper: ``call``, the partitions, the kernel launches) and ``kernels/<name>.<cpp|py>`` (each
+        C++ or Triton kernel's source, cut out of the wrapper). What this torch's artifact does not
+        carry is left out, logged; a payload that does not unpickle gives ``piece.py`` alone."""
+        import pickle
+
+        files = {"piece.py": graph.code.encode()}
+        try:
+            bundle = pickle.loads(payload)  # the payload this process just compiled: no foreign bytes
+            entry = bundle[0] if isinstance(bundle, tuple) else bundle
+            aot_graph = getattr(entry, "aot_forward_graph_str", None)
+            source = getattr(getattr(getattr(entry, "compiled_fw", None), "result", None), "source_code", None)
+        except Exception as e:  # another torch's artifact layout: the binary still loads
+            log.info("no readable form of an Inductor artifact on this torch (%s: %s)", type(e).__name__, e)
+            return files
+        if aot_graph:
+            files["aot_forward_graph.txt"] = str(aot_graph).encode()
+        if source:
+            files["output_code.py"] = source.encode()
+            files.update(_kernel_sources(source))
+        else:
+            log.info("this torch's Inductor artifact carries no generated source; unpacked form holds the piece only")
+        return files
+
+
+#: ``<name> = async_compile.<kind>(<signature>, r'''<source>''')`` in Inductor's generated wrapper
+_KERNEL = r"^(\w+) = async_compile\.(\w+)\(.*?r?'''(.*?)'''"
+
+
+def _kernel_sources(source: str) -> dict[str, bytes]:
+    """``kernels/<name>.cpp`` (C++) or ``.py`` (Triton) for each kernel defined in Inductor's
+    generated wrapper `source`."""
+    import re
+
+    out = {}
+    for m in re.finditer(_KERNEL, source, re.S | re.M):
+        name, kind, code = m.groups()
+        ext = "py" if kind == "triton" else "cpp" if kind.startswith("cpp") else "txt"
+        out[f"kernels/{name}.{ext}"] = code.strip("\n").encode() + b"\n"
+    return out
+
+
 def _patches_isa(patches: dict[str, Any]) -> bool:
     """Whether Inductor config patches change what its vector-ISA probe answers."""
     cpp = patches.get("cpp")

@@ -1,0 +1,122 @@
+"""``artifact_format="unpacked"``: each saved piece also kept as readable files, with a manifest of
+sha256 per file in the index, checked by ``cache verify`` and listed by ``cache show``; the binary
+is still what loads."""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+import piecewise as pw
+from piecewise import CompilationConfig, counters
+from piecewise.cache import tools
+from piecewise.cache.store import read_index
+from piecewise.cli import main
+from piecewise.models.toy import TwoSplitModel
+
+from cachehelp import CodeAdaptor
+
+
+def _compile(model, root, **kw):
+    cfg = CompilationConfig(cache_dir=root, max_num_tokens=16, artifact_format="unpacked", **kw)
+    return pw.compile(model, cfg, dynamic_arg_dims={"x": 0})
+
+
+def _records(root):
+    (entry,) = [e for e in tools.list_entries(root) if e.kind == "compile"]
+    return entry, read_index(os.path.join(entry.path, "index.json"))["artifacts"]
+
+
+def _read(root, up, name):
+    with open(os.path.join(root, *up["dir"].split("/"), *name.split("/")), "rb") as f:
+        return f.read()
+
+
+def test_artifact_format_is_validated_and_in_the_key():
+    with pytest.raises(pw.ConfigError, match="artifact_format='zip' is not one of"):
+        CompilationConfig(artifact_format="zip")
+    assert CompilationConfig(artifact_format="unpacked").code_factors()["artifact_format"] == "unpacked"
+    assert CompilationConfig().code_factors()["artifact_format"] == "binary"
+
+
+@pytest.mark.parametrize("strategy", ["fx", "inductor_partition"])
+def test_inductor_pieces_are_kept_readable_verified_and_still_load_from_the_binary(tmp_path, capsys, strategy):
+    root = str(tmp_path / "c")
+    model = TwoSplitModel()
+    x = torch.randn(5, 8)
+    cm = _compile(model, root, backend="inductor", split_strategy=strategy)
+    torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+    entry, records = _records(root)
+    assert len(records) == (3 if strategy == "fx" else 1)
+    for rec in records.values():
+        up = rec["unpacked"]
+        assert up["dir"].endswith(".unpacked") and up["dir"].startswith(entry.rel)
+        files = up["files"]
+        assert {"piece.py", "output_code.py", "aot_forward_graph.txt"} <= set(files)
+        kernels = [f for f in files if f.startswith("kernels/")]
+        assert kernels and all(f.endswith(".cpp") for f in kernels)
+        code = _read(root, up, "output_code.py").decode()
+        assert "def call" in code
+        for k in kernels:  # each kernel file is the C++ source cut out of the wrapper
+            src = _read(root, up, k).decode()
+            assert 'extern "C"' in src and src.strip() in code
+        on_disk = glob.glob(os.path.join(root, *up["dir"].split("/"), "**", "*"), recursive=True)
+        assert sorted(os.path.relpath(p, os.path.join(root, *up["dir"].split("/"))) for p in on_disk
+                      if os.path.isfile(p)) == sorted(files)
+    if strategy == "inductor_partition":
+        (rec,) = records.values()
+        code = _read(root, rec["unpacked"], "output_code.py").decode()
+        assert "def partition_0" in code and "def partition_2" in code and "toy_attention" in code
+    assert main(["cache", "--root", root, "verify"]) == 0
+    assert main(["cache", "--root", root, "show", entry.rel]) == 0
+    out = capsys.readouterr().out
+    assert "output_code.py" in out and "kernels/" in out and "CHANGED" not in out
+
+    # a readable file edited by hand is a problem for verify, and marked by show; the model still
+    # loads its binary artifacts (0 compiles) and equals eager
+    name, rec = next(iter(records.items()))
+    path = os.path.join(root, *rec["unpacked"]["dir"].split("/"), "output_code.py")
+    with open(path, "a") as f:
+        f.write("# edited\n")
+    assert main(["cache", "--root", root, "verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"artifact {name}: readable file output_code.py: checksum mismatch" in out
+    main(["cache", "--root", root, "show", entry.rel])
+    assert "output_code.py" in (out := capsys.readouterr().out) and "CHANGED" in out
+    os.unlink(path)
+    problems, notes = tools.verify(root)
+    assert problems == [] and any("readable file(s) absent (output_code.py)" in n for n in notes)
+    del cm
+    torch._dynamo.reset()
+    with counters.expect(compiler_invocations=0, recompiles=0):
+        cm = _compile(model, root, backend="inductor", split_strategy=strategy)
+        for n in (1, 7, 16):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class _BadNames(CodeAdaptor):
+    name = "code_bad_names"
+
+    def unpack(self, payload, graph):
+        return {"piece.py": graph.code.encode(), "../escape.py": b"x", "/abs.py": b"y"}
+
+
+def test_other_adaptors_keep_the_piece_code_and_unsafe_names_are_skipped(tmp_path, caplog):
+    from piecewise.compilers import register_adaptor
+
+    root = str(tmp_path / "c")
+    model = TwoSplitModel()
+    x = torch.randn(3, 8)
+    with register_adaptor("code_bad_names", _BadNames):
+        torch.testing.assert_close(_compile(model, root, backend="code_bad_names")(x), model(x))
+    _, records = _records(root)
+    for rec in records.values():
+        assert list(rec["unpacked"]["files"]) == ["piece.py"]
+        assert _read(root, rec["unpacked"], "piece.py").decode().lstrip().startswith("def forward")
+    assert not glob.glob(os.path.join(str(tmp_path), "**", "escape.py"), recursive=True)
+    assert not os.path.exists("/abs.py")
+    assert sum("readable file '../escape.py'" in r.getMessage() for r in caplog.records) == 3
+    json.dumps(records)  # the manifest is plain JSON
