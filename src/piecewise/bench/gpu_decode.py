@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                       for b in batches}
         print(f"{name}: first call {first_s[name]:.1f} s; median us per step "
               + ", ".join(f"b{b} {v[0]:.0f}" for b, v in rows[name].items()), flush=True)
+        if a.json:  # after every system: a run cut short by its time limit keeps what it measured
+            _write_json(a.json, a, first_s, rows)
         del fn, model
         torch.cuda.empty_cache()
     print(f"GPU decode step, {torch.cuda.get_device_name(0)}, torch {torch.__version__}, reference Llama "
@@ -116,12 +118,15 @@ def main(argv: list[str] | None = None) -> int:
               + " | " + " | ".join(f"{rows[s][b][0] / e:.2f}" for s in systems[1:]) + " |")
     print("\nfirst call (trace + compile or cache load + capture), s: "
           + ", ".join(f"{k} {v:.1f}" for k, v in first_s.items()))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": a.layers,
-                       "steps": a.steps, "first_call_s": first_s,
-                       "step_us": {s: {str(b): v for b, v in r.items()} for s, r in rows.items()}}, f, indent=1)
     return 0
+
+
+def _write_json(path: str, a: argparse.Namespace, first_s: dict[str, float],
+                rows: dict[str, dict[int, tuple[float, float, float]]]) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": a.layers,
+                   "steps": a.steps, "first_call_s": first_s,
+                   "step_us": {s: {str(b): v for b, v in r.items()} for s, r in rows.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -184,7 +184,6 @@ class InductorAdaptor(CompilerAdaptor):
         out = (lambda *args: fn(*args)[0]) if _returns_single_value(graph) else fn
         return out if self.partition_ops is None else PartitionedCallable(out, slots)
 
-
     def unpack(self, payload: bytes, graph: torch.fx.GraphModule) -> dict[str, bytes]:
         """The artifact's readable form: ``piece.py`` (the piece's FX code), ``aot_forward_graph.txt``
         (the graph Inductor lowered, after AOTAutograd), ``output_code.py`` (Inductor's generated
