@@ -2,8 +2,7 @@
 # GPU check, meant for a machine with one CUDA GPU and ~10 minutes: installs piecewise (torch from
 # the machine if present, else the pinned requirements), runs the GPU test tier, then a decode-step
 # benchmark (eager, torch.compile default and reduce-overhead, piecewise graphs, full graphs and Inductor
-# partitions), run
-# twice in new processes: cold caches, then warm. Output under $OUT if set.
+# partitions), run twice in new processes: cold caches, then warm. Output under $OUT if set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/piecewise-gpu-check}"
