@@ -76,3 +76,20 @@ def test_transformers_llama_with_inductor():
         for n in (7, 1, 30):
             ids = torch.randint(0, 256, (1, n))
             torch.testing.assert_close(_hf_out(cm(input_ids=ids)), _hf_out(model(input_ids=ids)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("build", [hf.tiny_llama, hf.tiny_qwen2, hf.tiny_bert], ids=lambda b: b.__name__)
+def test_transformers_models_under_inductor_partition_equal_eager(build):
+    """split_strategy="inductor_partition": one Inductor compile of the whole graph, cut at the
+    attention op inside Inductor's code (docs/design.md §4.8); decoders and an encoder."""
+    hf.register_hf_attention()
+    model = build(num_layers=2)
+    cfg = CompilationConfig(backend="inductor", split_strategy="inductor_partition", max_num_tokens=64)
+    cm = pw.compile(model, cfg, dynamic_arg_dims={"input_ids": 1})
+    gen = torch.Generator().manual_seed(0)
+    with counters.expect(compiler_invocations=1, pieces_compiled=1, recompiles=0, dynamo_traces=1):
+        for n in (1, 2, 9, 33, 64, 5):
+            ids = torch.randint(0, 256, (1, n), generator=gen)
+            torch.testing.assert_close(_hf_out(cm(input_ids=ids)), _hf_out(model(input_ids=ids)), rtol=1e-4, atol=1e-4)
+    (fn,) = cm.backend.runners[0].callables
+    assert len(fn.partitions) == 3, "two attention calls cut the graph into three partitions"
