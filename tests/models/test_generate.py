@@ -89,11 +89,16 @@ def test_greedy_tokens_equal_sdpa_eager(arch, spelling, path):
     assert counters.recompiles == 0
 
 
-def test_inductor_pieces():
+@pytest.mark.parametrize("strategy", ["fx", "inductor_partition"])
+def test_inductor_pieces(strategy):
     ids, mask = _prompts([7, 3])
     expected = _eager("llama", ids, mask, max_new_tokens=8)
-    compiled = pw.compile(_build("llama", "piecewise"), _config(backend="inductor"))
+    compiled = pw.compile(_build("llama", "piecewise"), _config(backend="inductor", split_strategy=strategy))
     assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), expected)
+    ids, mask = _prompts([2, 11, 5], seed=7)  # another batch size and prompt lengths: the same compiled step
+    expected = _eager("llama", ids, mask, max_new_tokens=4)
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4), expected)
+    assert counters.recompiles == 0 and counters.by_tag[f"{compiled.tag}_generate"].dynamo_traces == 1
 
 
 def test_ten_generate_calls_of_any_batch_and_length_trace_once():
