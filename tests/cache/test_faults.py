@@ -62,19 +62,19 @@ def _fresh(root):
     gc.collect()  # releases the previous CompiledModel's tag, so this one gets the same tag
 
 
-def _populate(root, backend="code"):
+def _populate(root, backend="code", **fields):
     """An in-process compile that fills `root`; returns the model."""
     _fresh(root)
     model = TwoSplitModel()
-    cm = pw.compile(model, pw.CompilationConfig(backend=backend, max_num_tokens=16, compile_sizes=[4]),
+    cm = pw.compile(model, pw.CompilationConfig(backend=backend, max_num_tokens=16, compile_sizes=[4], **fields),
                     dynamic_arg_dims={"x": 0})
     cm(torch.randn(3, 8))
     return model
 
 
-def _run(root, model, backend="code"):
+def _run(root, model, backend="code", **fields):
     _fresh(root)
-    cm = pw.compile(model, pw.CompilationConfig(backend=backend, max_num_tokens=16, compile_sizes=[4]),
+    cm = pw.compile(model, pw.CompilationConfig(backend=backend, max_num_tokens=16, compile_sizes=[4], **fields),
                     dynamic_arg_dims={"x": 0})
     before = pw.counters.snapshot()
     with warnings.catch_warnings(record=True) as caught:
@@ -97,19 +97,20 @@ def _corrupt(path, rng):
         f.write(bytes(data))
 
 
-def _corruption_trials(tmp_path, n, backend, seed):
+def _corruption_trials(tmp_path, n, backend, seed, num_files=9, **fields):
     rng = random.Random(seed)
     pristine = str(tmp_path / "pristine")
-    model = _populate(pristine, backend)
+    model = _populate(pristine, backend, **fields)
     files = _entry_files(pristine)
-    assert len(files) == 9  # index + 3 distinct pieces x (general, size 4); bundle index + bundle
+    # FX split: index + 3 distinct pieces x (general, size 4); bundle index + bundle
+    assert len(files) == num_files
     bundle_keys = {e.key for e in tools.list_entries(pristine) if e.kind == "bundle"}
     for t in range(n):
         root = str(tmp_path / f"t{t}")
         subprocess.run(["cp", "-a", pristine, root], check=True)
         victim = rng.choice(_entry_files(root))
         _corrupt(victim, rng)
-        delta, reported = _run(root, model, backend)  # asserts equality with eager at every size
+        delta, reported = _run(root, model, backend, **fields)  # asserts equality with eager at every size
         assert delta.get("cache_errors", 0) == 1, (t, victim, sorted(delta.items()))
         assert len(reported) == 1, (t, victim, reported)
         assert delta.get("dynamo_traces", 0) == 1  # a damaged entry never serves a warm start
@@ -118,7 +119,7 @@ def _corruption_trials(tmp_path, n, backend, seed):
         problems, _ = tools.verify(root)
         assert problems == [], (t, problems)
         # the rewritten entry now hits completely
-        delta, reported = _run(root, model, backend)
+        delta, reported = _run(root, model, backend, **fields)
         assert delta.get("compiler_invocations", 0) == 0 and not reported
         assert delta.get("bundle_hits", 0) == 1 and delta.get("dynamo_traces", 0) == 0
 
@@ -133,6 +134,13 @@ def test_corruption_always_detected_reported_once_and_recompiled(tmp_path, monke
 def test_corruption_of_inductor_artifacts(tmp_path, monkeypatch):
     monkeypatch.setenv("PIECEWISE_CACHE_DIR", str(tmp_path))
     _corruption_trials(tmp_path, 6, "inductor", seed=8)
+
+
+def test_corruption_of_inductor_partition_artifacts(tmp_path, monkeypatch):
+    """The whole-graph artifacts of split_strategy="inductor_partition" (index + 2 artifacts:
+    general and size 4; bundle index + bundle), each file hit about once."""
+    monkeypatch.setenv("PIECEWISE_CACHE_DIR", str(tmp_path))
+    _corruption_trials(tmp_path, 5, "inductor", seed=9, num_files=5, split_strategy="inductor_partition")
 
 
 def test_one_deleted_artifact_recompiles_only_that_piece(tmp_path, monkeypatch):
