@@ -206,6 +206,12 @@ class CompilationConfig:
             if self.mode != "piecewise":
                 raise ConfigError(f"split_strategy='inductor_partition' cuts at splitting ops, which mode={self.mode!r} "
                                   "does not do; set mode='piecewise' or leave split_strategy='fx'")
+            opts = self.inductor_options if isinstance(self.inductor_options, Mapping) else {}
+            clash = sorted(k for k in opts if k in ("graph_partition", "custom_should_partition_ops"))
+            if clash:
+                raise ConfigError(f"inductor_options sets {clash}, which split_strategy='inductor_partition' sets itself "
+                                  "(partitions at the splitting ops); drop them from inductor_options, or use "
+                                  "split_strategy='fx'")
             why = partition_support()
             if why is not None:
                 raise ConfigError(f"split_strategy='inductor_partition' needs Inductor's graph-partition hooks (torch >= "

@@ -120,3 +120,28 @@ def test_other_adaptors_keep_the_piece_code_and_unsafe_names_are_skipped(tmp_pat
     assert not os.path.exists("/abs.py")
     assert sum("readable file '../escape.py'" in r.getMessage() for r in caplog.records) == 3
     json.dumps(records)  # the manifest is plain JSON
+
+
+def test_an_artifact_copied_from_another_ranks_entry_keeps_its_verified_readable_files(tmp_path):
+    from piecewise.cache.store import CacheEntry
+
+    root, key = str(tmp_path), "k" * 20
+    r0 = CacheEntry(root, key, "Model", rank=0)
+    r0.save_artifact("a.general", b"x" * 10, {"output_code.py": b"def call(args): ...\n", "kernels/k0.cpp": b"int k;\n"})
+    r0.save_artifact("b.general", b"y" * 10, {"output_code.py": b"def call(args): pass\n"})
+    r0.commit({"m": 1}, {}, "")
+    up = r0.saved["b.general"]["unpacked"]
+    with open(os.path.join(root, *up["dir"].split("/"), "output_code.py"), "ab") as f:
+        f.write(b"# edited\n")  # the sibling's readable file no longer matches its manifest
+    r1 = CacheEntry(root, key, "Model", rank=1)
+    r1.open({"m": 1})
+    assert r1.sibling_artifact("a.general") == b"x" * 10
+    copied = r1.saved["a.general"]["unpacked"]
+    assert copied["dir"].startswith(f"{key}/rank_1_0/Model/") and sorted(copied["files"]) == ["kernels/k0.cpp", "output_code.py"]
+    assert _read(root, copied, "kernels/k0.cpp") == b"int k;\n"
+    assert r1.sibling_artifact("b.general") == b"y" * 10  # the binary verifies: it loads
+    assert "unpacked" not in r1.saved["b.general"]  # an edited readable file is not copied as if it were good
+    r1.commit({"m": 1}, {}, "")
+    problems, notes = tools.verify(root)
+    assert any("b.general: readable file output_code.py: checksum mismatch" in p for p in problems)  # rank 0's
+    assert not any("rank_1_0" in p for p in problems)

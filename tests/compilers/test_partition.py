@@ -22,6 +22,10 @@ PARTITION = dict(backend="inductor", split_strategy="inductor_partition")
     (dict(split_strategy="dynamo"), "split_strategy='dynamo' is not one of"),
     (dict(split_strategy="inductor_partition", backend="eager"), "backend='eager'"),
     (dict(split_strategy="inductor_partition", mode="full"), "mode='full'"),
+    (dict(split_strategy="inductor_partition", inductor_options={"custom_should_partition_ops": []}),
+     r"inductor_options sets \['custom_should_partition_ops'\]"),
+    (dict(split_strategy="inductor_partition", inductor_options={"graph_partition": False, "max_autotune": False}),
+     r"inductor_options sets \['graph_partition'\]"),
 ])
 def test_config_refuses_what_the_strategy_cannot_do_naming_the_field(fields, named):
     with pytest.raises(pw.ConfigError, match=named):

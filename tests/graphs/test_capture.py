@@ -77,6 +77,36 @@ def test_pad_rows_zero_and_forward_context_has_real_and_padded_counts(strategy):
         assert (n, padded, mode, rows) == (5, 8, "piecewise", 8) and pad_sum == 0.0
 
 
+@pw.splitting_op("pw_test_graphs::two_outputs", mutates_args=())
+def _two_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, x + 1
+
+
+@_two_outputs.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+class _TwoOutputs(torch.nn.Module):
+    def forward(self, x):
+        a, b = torch.ops.pw_test_graphs.two_outputs(x.sin())
+        return a.cos() + b
+
+
+def test_a_splitting_op_with_several_outputs_replays_fresh_values(strategy):
+    """Inductor hands such an op's whole result tuple to the next partition; its tensors must be
+    refreshed on every replay like any other input, not bound once at capture."""
+    model = _TwoOutputs()
+    with fake_cpu_platform():
+        cm = _compile(model, strategy=strategy, cudagraph_capture_sizes=[4, 8])
+        gen = torch.Generator().manual_seed(3)
+        with counters.expect(recompiles=0):
+            for n in (4, 3, 8, 4, 5, 8, 2):
+                x = torch.randn(n, 8, generator=gen)
+                torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
+        assert counters.by_tag[cm.tag].graph_replays > 0
+
+
 def test_failed_capture_falls_back_to_next_size(strategy):
     model = TwoSplitModel()
     with fake_cpu_platform(fail_sizes={8}):

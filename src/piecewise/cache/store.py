@@ -345,10 +345,29 @@ class CacheEntry:
             rec = idx["artifacts"].get(name) if idx["key"] == self.key else None
             data = self._read_verified(rec) if rec is not None else None
             if data is not None:
-                self.save_artifact(name, data)
+                self.save_artifact(name, data, self._readable_of(rec))
                 self._sibling_files[name] = rec["file"]
                 return data
         return None
+
+    def _readable_of(self, rec: Mapping[str, Any]) -> dict[str, bytes] | None:
+        """The readable files (``artifact_format="unpacked"``) of another entry's artifact record,
+        each checked against its manifest; None when it has none or one does not check out (the
+        copy then holds the binary only, as `piecewise cache verify` notes)."""
+        up = rec.get("unpacked")
+        if not up:
+            return None
+        out = {}
+        for name, want in up["files"].items():
+            try:
+                with open(os.path.join(self.root, *up["dir"].split("/"), *name.split("/")), "rb") as f:
+                    data = f.read()
+            except OSError:
+                return None
+            if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+                return None
+            out[name] = data
+        return out
 
     def reject_artifact(self, name: str, why: str) -> None:
         """An artifact that verified but failed to load: report it and move it aside."""

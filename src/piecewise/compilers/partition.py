@@ -26,6 +26,10 @@ The hooks are unstable Inductor APIs, so everything is scoped to one compile or 
 A no-op post-grad pass with its own uuid is added to every partitioned compile, so Inductor's FX
 graph cache never hands an unpartitioned graph (or one partitioned under Inductor's CPU rule) to a
 partitioned compile, or the other way round.
+
+The wrapper hook and the scheduler rule are process-wide while a scope is open: an Inductor compile
+that another thread runs at the same moment sees them too (scopes themselves take turns on a lock).
+Compile partitioned models from one thread at a time, as Inductor itself expects.
 """
 
 from __future__ import annotations
@@ -57,25 +61,45 @@ class PartitionSlot:
         count: partitions in that graph.
     """
 
-    __slots__ = ("fn", "index", "count", "call")
+    __slots__ = ("fn", "index", "count", "call", "spec")
 
     def __init__(self, fn: Callable[[list[Any]], Any], index: int, count: int) -> None:
         self.fn = fn
         self.index = index
         self.count = count
         self.call: Callable[[list[Any]], Any] = fn
+        #: the nesting of the partition's inputs when one is a tuple or list (a splitting op with
+        #: several outputs hands its whole result to the next partition), else None
+        self.spec: Any = None
 
     def __call__(self, args: list[Any]) -> Any:
         return self.call(args)
 
-    def unpacked(self, *args: Any) -> Any:
-        """The partition called with its inputs as positional arguments (what a graph wrapper
-        calls)."""
-        return self.fn(list(args))
+    def unpacked(self, *leaves: Any) -> Any:
+        """The partition called with its inputs flattened to positional arguments, tensors and
+        numbers only (what a graph wrapper calls, binds and copies one by one)."""
+        if self.spec is None:
+            return self.fn(list(leaves))
+        from torch.utils._pytree import tree_unflatten
+
+        return self.fn(list(tree_unflatten(list(leaves), self.spec)))
 
     def install(self, wrapper: Callable[..., Any]) -> None:
-        """Route calls through ``wrapper(*args)`` (a `PieceGraphWrapper` around `unpacked`)."""
-        self.call = lambda args: wrapper(*args)
+        """Route calls through ``wrapper(*leaves)`` (a `PieceGraphWrapper` around `unpacked`).
+        Inputs nested in tuples or lists are flattened first: a wrapper binds and copies flat
+        tensors, and a tuple would be bound once at capture and never refreshed."""
+        from torch.utils._pytree import tree_flatten
+
+        def call(args: list[Any]) -> Any:
+            if not any(isinstance(a, (tuple, list)) for a in args):
+                return wrapper(*args)
+            leaves, spec = tree_flatten(list(args))
+            if self.spec is not None and spec != self.spec:
+                raise AssertionError(f"partition {self.index}: input nesting changed between calls ({self.spec} -> {spec})")
+            self.spec = spec
+            return wrapper(*leaves)
+
+        self.call = call
 
 
 class PartitionedCallable:

@@ -192,6 +192,7 @@ def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[
     sizes, _dropped = validate_capture_sizes(sizes, config.max_num_tokens)
     pool = GraphPool(platform, num_warmups=config.cudagraph_num_warmups, debug=config.debug, tag=tag)
     wrappers: list[PieceGraphWrapper] = []
+    capturable = 0  # partitions beyond one per runner
     if mode in ("piecewise", "full_and_piecewise"):
         for i, r in enumerate(runners):
             partitioned = [fn for fn in dict.fromkeys(r.callables) if isinstance(fn, PartitionedCallable)]
@@ -201,14 +202,16 @@ def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[
                 wrappers.append(w)
                 continue
             # Inductor partitions (split_strategy="inductor_partition"): one wrapper per partition of
-            # every compile entry's callable; a size only ever reaches the entry it dispatches to
+            # every compile entry's callable; a size only ever reaches the entry it dispatches to, so
+            # each entry's partition 0 is the first piece of the forwards it serves
             for e, fn in enumerate(partitioned):
                 for slot in fn.partitions:
                     w = PieceGraphWrapper(slot.unpacked, pool, mode=RuntimeMode.PIECEWISE, first=(i == 0 and slot.index == 0),
                                           name=f"{r.name}.partition_{slot.index}" + (f"[entry {e}]" if len(partitioned) > 1 else ""))
                     slot.install(w)
                     wrappers.append(w)
-        counters.bump("capturable_pieces", len(wrappers), tag=tag)
+            capturable += max(len(fn.partitions) for fn in partitioned) - 1  # pieces one forward runs through
+        counters.bump("capturable_pieces", len(runners) + capturable, tag=tag)
     dispatcher = GraphDispatcher(stitched, pool, sizes, static_inputs=[StaticInput(i, d) for i, d in plan.static_inputs],
                                  output_dims=list(plan.output_dims), cudagraph_mode=mode, max_num_tokens=config.max_num_tokens,
                                  tag=tag)
