@@ -260,10 +260,10 @@ class _Leaky(torch.nn.Module):
 
 
 @pytest.mark.parametrize("how", ["sdpa", "gram_sum", "count", "conv", "instance_norm"])
-def test_padding_that_changes_real_rows_is_found_on_the_first_padded_call(how, caplog):
+def test_padding_that_changes_real_rows_is_found_on_the_first_padded_call(how, caplog, strategy):
     model = _Leaky(how).eval()
     with fake_cpu_platform():
-        cm = _compile(model)
+        cm = _compile(model, strategy=strategy)
         gen = torch.Generator().manual_seed(4)
         with caplog.at_level("WARNING", logger="piecewise"):
             for n in (13, 3, 5, 9, 16):
@@ -275,7 +275,7 @@ def test_padding_that_changes_real_rows_is_found_on_the_first_padded_call(how, c
 
 
 @pytest.mark.parametrize("how", ["flatten", "shortened"])
-def test_an_output_whose_token_dim_is_derived_gets_no_graphs(how):
+def test_an_output_whose_token_dim_is_derived_gets_no_graphs(how, strategy):
     class Derived(torch.nn.Module):
         def forward(self, x):
             h = torch.ops.piecewise_models.toy_attention(x + 1, x, x)
@@ -283,7 +283,7 @@ def test_an_output_whose_token_dim_is_derived_gets_no_graphs(how):
 
     model = Derived()
     with fake_cpu_platform():
-        cm = _compile(model)
+        cm = _compile(model, strategy=strategy)
         for n in (13, 3, 6):
             x = torch.randn(n, 8)
             torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
@@ -291,10 +291,10 @@ def test_an_output_whose_token_dim_is_derived_gets_no_graphs(how):
 
 
 @pytest.mark.parametrize("how", ["softmax_features", "sort_default", "topk_3d"])
-def test_row_local_model_keeps_graphs(how):
+def test_row_local_model_keeps_graphs(how, strategy):
     model = _Pooled(how).eval()
     with fake_cpu_platform():
-        cm = _compile(model)
+        cm = _compile(model, strategy=strategy)
         for n in (13, 5):
             x = torch.randn(n, 8)
             with torch.no_grad():
@@ -329,11 +329,12 @@ class _TokenDim(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dim,shape", [(1, (2, None, 8)), (2, (2, 3, None, 8)), (0, (None, 2, 8))])
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", "inductor", "inductor_partition"])
 def test_any_token_dim_pads_into_contiguous_static_buffers(dim, shape, backend):
     model = _TokenDim().eval()
+    fields = dict(backend="inductor", split_strategy=backend) if backend == "inductor_partition" else dict(backend=backend)
     with fake_cpu_platform():
-        cm = pw.compile(model, CompilationConfig(backend=backend, max_num_tokens=16, cudagraph_capture_sizes=[4, 8]),
+        cm = pw.compile(model, CompilationConfig(**fields, max_num_tokens=16, cudagraph_capture_sizes=[4, 8]),
                         dynamic_arg_dims={"x": dim})
         gen = torch.Generator().manual_seed(3)
         for n in (5, 1, 8, 3, 12, 5):
@@ -383,28 +384,28 @@ def test_full_and_full_and_piecewise_modes_nest(strategy):
         torch._dynamo.reset()
 
 
-def test_cpu_without_platform_resolves_to_none():
+def test_cpu_without_platform_resolves_to_none(strategy):
     model = TwoSplitModel()
-    cm = _compile(model)
+    cm = _compile(model, strategy=strategy)
     with counters.expect(graphs_captured=0, capturable_pieces=0):
         x = torch.randn(3, 8)
         torch.testing.assert_close(cm(x), model(x))
     assert cm.backend.compiled.graphs is None
 
 
-def test_a_second_model_captures_cleanly_after_the_first_is_deleted():
+def test_a_second_model_captures_cleanly_after_the_first_is_deleted(strategy):
     import gc
 
     with fake_cpu_platform():
         a = ToyTransformer(num_layers=2, dim=16, seed=1)
-        ca = _compile(a)
+        ca = _compile(a, strategy=strategy)
         ca(torch.randn(3, 16))
         pool_a = ca.backend.graph_pool.pool
         del ca
         gc.collect()
         torch._dynamo.reset()
         b = ToyTransformer(num_layers=2, dim=16, seed=2)
-        cb = _compile(b)
+        cb = _compile(b, strategy=strategy)
         x = torch.randn(5, 16)
         torch.testing.assert_close(cb(x), b(x), rtol=1e-5, atol=1e-5)
         assert cb.backend.graph_pool.pool is not pool_a
