@@ -30,6 +30,8 @@ DYNAMIC_SHAPES = ("backed_size_oblivious", "backed", "unbacked")
 SPLIT_STRATEGIES = ("fx", "inductor_partition")
 #: how compiled pieces are stored (`CompilationConfig.artifact_format`)
 ARTIFACT_FORMATS = ("binary", "unpacked")
+#: Inductor options the ``inductor_partition`` strategy sets itself, or cannot work with
+PARTITION_OWNED_OPTIONS = ("graph_partition", "custom_should_partition_ops", "cpp_wrapper", "triton.cudagraphs")
 #: the first torch release with every Inductor hook the ``inductor_partition`` strategy uses
 PARTITION_MIN_TORCH = "2.9.1"
 
@@ -207,10 +209,12 @@ class CompilationConfig:
                 raise ConfigError(f"split_strategy='inductor_partition' cuts at splitting ops, which mode={self.mode!r} "
                                   "does not do; set mode='piecewise' or leave split_strategy='fx'")
             opts = self.inductor_options if isinstance(self.inductor_options, Mapping) else {}
-            clash = sorted(k for k in opts if k in ("graph_partition", "custom_should_partition_ops"))
+            clash = sorted(k for k in opts if k in PARTITION_OWNED_OPTIONS
+                           or (k == "triton" and isinstance(opts[k], Mapping) and "cudagraphs" in opts[k]))
             if clash:
-                raise ConfigError(f"inductor_options sets {clash}, which split_strategy='inductor_partition' sets itself "
-                                  "(partitions at the splitting ops); drop them from inductor_options, or use "
+                raise ConfigError(f"inductor_options sets {clash}, which split_strategy='inductor_partition' sets or cannot "
+                                  "run with (it partitions at the splitting ops and wraps each partition itself; Inductor's "
+                                  "C++ wrapper has no partition hook); drop them from inductor_options, or use "
                                   "split_strategy='fx'")
             why = partition_support()
             if why is not None:

@@ -145,3 +145,77 @@ def test_an_artifact_copied_from_another_ranks_entry_keeps_its_verified_readable
     problems, notes = tools.verify(root)
     assert any("b.general: readable file output_code.py: checksum mismatch" in p for p in problems)  # rank 0's
     assert not any("rank_1_0" in p for p in problems)
+
+
+def _entry_with_readable_files(root):
+    from piecewise.cache.store import CacheEntry
+
+    e = CacheEntry(root, "k" * 20, "Model")
+    e.save_artifact("a.general", b"x" * 10, {"output_code.py": b"def call(args): ...\n"})
+    e.commit({"m": 1}, {}, "")
+    return e
+
+
+def _rewrite_index(path, change):
+    from piecewise.fingerprint import data_digest
+
+    with open(path) as f:
+        idx = json.load(f)
+    change(idx["artifacts"]["a.general"])
+    idx["checksum"] = data_digest({k: v for k, v in idx.items() if k != "checksum"})
+    with open(path, "w") as f:
+        json.dump(idx, f)
+
+
+@pytest.mark.parametrize("how", ["dir_outside", "name_outside", "not_a_mapping", "no_files"])
+def test_a_manifest_pointing_elsewhere_or_malformed_makes_the_index_bad_not_read(tmp_path, how):
+    """The index checksum is no secret: a manifest edited to name files outside its artifact's
+    folder (or of the wrong shape) is refused whole, like an artifact path leaving the root."""
+    from piecewise.cache.store import CacheEntry, CacheIndexError
+
+    root = str(tmp_path / "c")
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"secret\n")
+    e = _entry_with_readable_files(root)
+    want = {"sha256": __import__("hashlib").sha256(b"secret\n").hexdigest(), "bytes": 7}
+    change = {
+        "dir_outside": lambda rec: rec["unpacked"].update(dir="../" * 6 + str(tmp_path).lstrip("/"),
+                                                          files={"outside.txt": want}),
+        "name_outside": lambda rec: rec["unpacked"]["files"].update({"../../../../../outside.txt": want}),
+        "not_a_mapping": lambda rec: rec.update(unpacked={"dir": 5, "files": ["a"]}),
+        "no_files": lambda rec: rec["unpacked"].pop("files"),
+    }[how]
+    index = os.path.join(e.path, "index.json")
+    _rewrite_index(index, change)
+    with pytest.raises(CacheIndexError, match="manifest|readable file"):
+        read_index(index)
+    problems, _ = tools.verify(root)
+    assert len(problems) == 1 and "bad index" in problems[0]
+    again = CacheEntry(root, "k" * 20, "Model")
+    assert not again.open({"m": 1}) and counters.cache_errors == 1  # reported, moved aside: the pieces compile
+
+
+def test_a_readable_file_replaced_by_a_fifo_is_changed_and_never_opened(tmp_path):
+    root = str(tmp_path / "c")
+    e = _entry_with_readable_files(root)
+    up = e.saved["a.general"]["unpacked"]
+    path = os.path.join(root, *up["dir"].split("/"), "output_code.py")
+    os.unlink(path)
+    os.mkfifo(path)  # opening it for reading would block until a writer came
+    problems, _ = tools.verify(root)
+    assert problems == ["k" * 20 + "/rank_0_0/Model: artifact a.general: readable file output_code.py: checksum mismatch"]
+
+
+def test_a_corrupt_artifact_is_quarantined_with_its_readable_files(tmp_path):
+    from piecewise.cache.store import CacheEntry
+
+    root = str(tmp_path / "c")
+    e = _entry_with_readable_files(root)
+    rec = e.saved["a.general"]
+    with open(os.path.join(root, *rec["file"].split("/")), "r+b") as f:
+        f.write(b"y")
+    again = CacheEntry(root, "k" * 20, "Model")
+    assert again.open({"m": 1}) and again.load_artifact("a.general") is None
+    assert not os.path.exists(os.path.join(root, *rec["unpacked"]["dir"].split("/")))
+    moved = os.listdir(os.path.join(e.path, "quarantine"))
+    assert any(m.startswith(os.path.basename(rec["unpacked"]["dir"])) for m in moved) and len(moved) == 2

@@ -26,6 +26,8 @@ PARTITION = dict(backend="inductor", split_strategy="inductor_partition")
      r"inductor_options sets \['custom_should_partition_ops'\]"),
     (dict(split_strategy="inductor_partition", inductor_options={"graph_partition": False, "max_autotune": False}),
      r"inductor_options sets \['graph_partition'\]"),
+    (dict(split_strategy="inductor_partition", inductor_options={"cpp_wrapper": True}), r"\['cpp_wrapper'\].*C\+\+ wrapper"),
+    (dict(split_strategy="inductor_partition", inductor_options={"triton": {"cudagraphs": True}}), r"\['triton'\]"),
 ])
 def test_config_refuses_what_the_strategy_cannot_do_naming_the_field(fields, named):
     with pytest.raises(pw.ConfigError, match=named):

@@ -39,7 +39,7 @@ from ..fingerprint import canonical_json, data_digest
 from .key import KEY_FORMAT
 
 __all__ = ["INDEX_FORMAT", "resolve_root", "atomic_write", "CacheEntry", "check_permissions", "read_index", "parse_index",
-           "CacheIndexError", "current_rank", "shares_across_ranks"]
+           "CacheIndexError", "current_rank", "shares_across_ranks", "readable_file"]
 
 log = logging.getLogger("piecewise")
 
@@ -231,7 +231,45 @@ def parse_index(raw: bytes) -> dict[str, Any]:
             raise CacheIndexError(f"bad artifact record {name!r}")
         if os.path.isabs(rec["file"]) or ".." in rec["file"].split("/"):
             raise CacheIndexError(f"artifact path {rec['file']!r} escapes the cache root")
+        if "unpacked" in rec:
+            _check_manifest(name, rec)
     return idx
+
+
+def _check_manifest(name: str, rec: Mapping[str, Any]) -> None:
+    """Raise `CacheIndexError` unless artifact record `rec`'s readable-file manifest is well formed:
+    its folder is the one beside the artifact's own file, and each name is a relative path of
+    letters, digits, ``_.-`` and ``/`` with a sha256 and a byte count."""
+    up = rec["unpacked"]
+    if not (isinstance(up, dict) and isinstance(up.get("files"), dict) and rec["file"].endswith(".bin")
+            and up.get("dir") == rec["file"][: -len(".bin")] + UNPACKED_SUFFIX):
+        raise CacheIndexError(f"bad readable-file manifest of artifact {name!r}")
+    for f, want in up["files"].items():
+        if not (isinstance(f, str) and _SAFE_NAME.fullmatch(f) and ".." not in f.split("/") and isinstance(want, dict)
+                and isinstance(want.get("sha256"), str) and isinstance(want.get("bytes"), int)):
+            raise CacheIndexError(f"bad readable file {f!r} in the manifest of artifact {name!r}")
+
+
+def readable_file(root: str, up: Mapping[str, Any], name: str) -> tuple[str, bytes | None]:
+    """One readable file of a manifest (``artifact_format="unpacked"``, as `parse_index` checked
+    it): ``("ok", bytes)`` when it is a regular file with the manifest's size and sha256,
+    ``("absent", None)`` when there is none, ``("changed", None)`` otherwise (other bytes, or not
+    a regular file: a FIFO or device is never opened)."""
+    want = up["files"][name]
+    path = os.path.join(root, *up["dir"].split("/"), *name.split("/"))
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != want["bytes"]:
+            return "changed", None
+        with open(path, "rb") as f:
+            data = f.read(want["bytes"] + 1)
+    except FileNotFoundError:
+        return "absent", None
+    except OSError:
+        return "changed", None
+    if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+        return "changed", None
+    return "ok", data
 
 
 class CacheEntry:
@@ -358,13 +396,9 @@ class CacheEntry:
         if not up:
             return None
         out = {}
-        for name, want in up["files"].items():
-            try:
-                with open(os.path.join(self.root, *up["dir"].split("/"), *name.split("/")), "rb") as f:
-                    data = f.read()
-            except OSError:
-                return None
-            if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+        for name in up["files"]:
+            state, data = readable_file(self.root, up, name)
+            if state != "ok":
                 return None
             out[name] = data
         return out
@@ -394,7 +428,11 @@ class CacheEntry:
         try:
             qdir = os.path.join(self.path, QUARANTINE)
             make_dirs(qdir)
-            os.replace(src, os.path.join(qdir, f"{os.path.basename(src)}.{int(time.time())}.{os.getpid()}"))
+            stamp = f"{int(time.time())}.{os.getpid()}"
+            os.replace(src, os.path.join(qdir, f"{os.path.basename(src)}.{stamp}"))
+            readable = src[: -len(".bin")] + UNPACKED_SUFFIX if src.endswith(".bin") else None
+            if readable is not None and os.path.isdir(readable):  # its readable files go with it
+                os.replace(readable, os.path.join(qdir, f"{os.path.basename(readable)}.{stamp}"))
         except OSError:
             pass  # another process moved it first, or read-only: the index rewrite drops it anyway
 

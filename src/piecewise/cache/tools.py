@@ -22,7 +22,7 @@ import filelock
 from .._version import __version__
 from ..errors import CacheError
 from .key import NOT_IN_KEY, diff_factors, diff_items, env_factors
-from .store import FACTORS, INDEX, LOCK, QUARANTINE, CacheIndexError, make_dirs, check_permissions, read_index, remove_tree
+from .store import FACTORS, INDEX, LOCK, QUARANTINE, CacheIndexError, make_dirs, check_permissions, read_index, readable_file, remove_tree
 
 __all__ = ["EntryInfo", "list_entries", "find_entry", "verify", "check_unpacked", "artifact_lines", "explain", "clear", "export_archive", "import_archive"]
 
@@ -169,15 +169,10 @@ def check_unpacked(root: str, rec: dict[str, Any]) -> tuple[list[str], list[str]
     if not up:
         return [], []
     bad, missing = [], []
-    for name, want in up["files"].items():
-        try:
-            with open(os.path.join(root, *up["dir"].split("/"), *name.split("/")), "rb") as f:
-                data = f.read()
-        except OSError:
-            missing.append(name)
-            continue
-        if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
-            bad.append(name)
+    for name in up["files"]:
+        state, _ = readable_file(root, up, name)
+        if state != "ok":
+            (missing if state == "absent" else bad).append(name)
     return bad, missing
 
 
