@@ -295,6 +295,17 @@ def _load_text(m: dict[str, Any]) -> str:
     return f"; load average {m['load_start']:.1f} at the start{end}"
 
 
+def _round_ratios(steady: list[dict[str, Any]], system: str, label: str) -> list[str]:
+    """``["", "<label> / full in each interleaved round: batch 1: 0.68, 0.66; ..."]`` from the
+    steady-state rows (nothing when a row has fewer than two rounds)."""
+    rounds = []
+    for r in steady:
+        num, den = r[system].get("median_runs_us"), r["full"].get("median_runs_us")
+        if num and den and len(num) == len(den) > 1:
+            rounds.append(f"batch {r['batch']}: " + ", ".join(f"{a / b:.2f}" for a, b in zip(num, den)))
+    return ["", f"{label} / full in each interleaved round: " + "; ".join(rounds)] if rounds else []
+
+
 def to_markdown(res: dict[str, Any]) -> str:
     s, m, t = res["summary"], res["machine"], res["targets"]
     cfg = res["config"]
@@ -340,13 +351,7 @@ def to_markdown(res: dict[str, Any]) -> str:
     for r in s["steady"]:
         out.append(f"| {r['batch']} | {cell(r['eager'])} | {cell(r['full'])} | {cell(r['piecewise-inductor'])} | "
                    f"{cell(r['piecewise-eager'])} | {fmt_spread(r['pw_vs_full'])} | {fmt_spread(r['pw_vs_eager'])} |")
-    rounds = []
-    for r in s["steady"]:
-        pw_runs, full_runs = r["piecewise-inductor"].get("median_runs_us"), r["full"].get("median_runs_us")
-        if pw_runs and full_runs and len(pw_runs) == len(full_runs) > 1:
-            rounds.append(f"batch {r['batch']}: " + ", ".join(f"{p / f:.2f}" for p, f in zip(pw_runs, full_runs)))
-    if rounds:
-        out += ["", "piecewise / full in each interleaved round: " + "; ".join(rounds)]
+    out += _round_ratios(s["steady"], "piecewise-inductor", "piecewise")
     if s.get("partition_startup"):
         out += ["", "Split strategies side by side (same run): `piecewise-inductor` is the FX split (identical pieces "
                 "compiled once), `piecewise-partition` is split_strategy='inductor_partition' (the whole graph compiled "
@@ -362,13 +367,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             for r in s["steady"]:
                 out.append(f"| {r['batch']} | {cell(r['piecewise-inductor'])} | {cell(r['piecewise-partition'])} | "
                            f"{fmt_spread(r['partition_vs_full'])} | {fmt_spread(r['partition_vs_fx'])} |")
-            prounds = []
-            for r in s["steady"]:
-                q, f = r["piecewise-partition"].get("median_runs_us"), r["full"].get("median_runs_us")
-                if q and f and len(q) == len(f) > 1:
-                    prounds.append(f"batch {r['batch']}: " + ", ".join(f"{a / b:.2f}" for a, b in zip(q, f)))
-            if prounds:
-                out += ["", "partition / full in each interleaved round: " + "; ".join(prounds)]
+            out += _round_ratios(s["steady"], "piecewise-partition", "partition")
     d = res.get("dispatch")
     if d:
         out += ["", f"Dispatch overhead per piece (target <= {t['dispatch_us_per_piece']} us): a piece's runner against "
