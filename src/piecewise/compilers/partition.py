@@ -61,7 +61,7 @@ class PartitionSlot:
         count: partitions in that graph.
     """
 
-    __slots__ = ("fn", "index", "count", "call", "spec")
+    __slots__ = ("fn", "index", "count", "call", "spec", "nested")
 
     def __init__(self, fn: Callable[[list[Any]], Any], index: int, count: int) -> None:
         self.fn = fn
@@ -71,6 +71,9 @@ class PartitionSlot:
         #: the nesting of the partition's inputs when one is a tuple or list (a splitting op with
         #: several outputs hands its whole result to the next partition), else None
         self.spec: Any = None
+        #: whether any input is a tuple or list, decided on the first call: Inductor's generated
+        #: code passes the same structure on every call, and the check costs ~1 us a partition
+        self.nested: bool | None = None
 
     def __call__(self, args: list[Any]) -> Any:
         return self.call(args)
@@ -91,7 +94,10 @@ class PartitionSlot:
         from torch.utils._pytree import tree_flatten
 
         def call(args: list[Any]) -> Any:
-            if not any(isinstance(a, (tuple, list)) for a in args):
+            nested = self.nested
+            if nested is None:
+                nested = self.nested = any(isinstance(a, (tuple, list)) for a in args)
+            if not nested:
                 return wrapper(*args)
             leaves, spec = tree_flatten(list(args))
             if self.spec is not None and spec != self.spec:
