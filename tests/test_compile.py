@@ -284,3 +284,21 @@ def test_the_first_call_keeps_the_collector_off_old_objects_and_undoes_it():
     finally:
         gc.unfreeze()
         B.PiecewiseBackend.__call__ = orig
+
+
+def test_the_build_id_follows_the_package_sources(tmp_path):
+    """Cache and start keys hold the build id, so an artifact of other code of the same version
+    number never loads: any change to a source file changes it."""
+    import shutil
+    from pathlib import Path
+
+    import piecewise
+    from piecewise._version import __version__, build_id, source_digest
+
+    src = Path(piecewise.__file__).resolve().parent
+    assert build_id() == f"{__version__}+{source_digest(src)}"
+    copy = tmp_path / "pkg"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert source_digest(copy) == source_digest(src)
+    (copy / "graphs" / "install.py").write_text((copy / "graphs" / "install.py").read_text() + "\n# changed\n")
+    assert source_digest(copy) != source_digest(src)

@@ -125,6 +125,7 @@ class PiecewiseBackend:
         self.traced_files = traced_source_files()
         graph_hash = hashlib.sha256(gm.code.encode()).hexdigest()  # before splitting rewrites the graph
         self._mixing = self._token_mixing(gm, example_inputs)
+        self._argument_inputs = _argument_inputs(gm)
         t0 = time.perf_counter()
         split = self._split(gm)
         self.timings["split"] = time.perf_counter() - t0
@@ -170,11 +171,11 @@ class PiecewiseBackend:
 
     def key_factors(self, graph_hash: str, example_inputs: Sequence[Any]) -> dict[str, Any]:
         """Every factor of the cache key, raw (docs/design.md §5.2)."""
-        from ._version import __version__
+        from ._version import build_id
 
         return {
             "key_format": KEY_FORMAT,
-            "piecewise": __version__,
+            "piecewise": build_id(),
             "torch": torch.__version__,
             "env": env_factors(),
             "config": self.config.code_factors(),
@@ -276,7 +277,8 @@ class PiecewiseBackend:
         with fake_mode, enable_python_dispatcher(), torch.no_grad():
             fake_outputs = _Propagate(split.split_module).run(*fake_inputs)
         progress.close()
-        graph_plan = plan_graphs(fake_inputs, fake_outputs, symbol, self._mixing) if sym_index is not None else None
+        graph_plan = (plan_graphs(fake_inputs, fake_outputs, symbol, self._mixing, getattr(self, "_argument_inputs", ()))
+                      if sym_index is not None else None)
         # under "backed" dynamic shapes sizes 0 and 1 are refused by the call signature already
         lo = 2 if self.config.dynamic_shapes == "backed" else 1
         refusal = size_refusal(fake_mode.shape_env, symbol, lo, self.config.max_num_tokens) if symbol is not None else None
@@ -425,6 +427,21 @@ def _fake_inputs(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     if fake_mode is None:
         fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
     return fake_mode, [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+
+def _argument_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    """Indices of the graph inputs that are the traced forward's own arguments, not module state:
+    from Dynamo's source of each placeholder (``L['x']`` against ``L['self']._parameters[...]``),
+    or, where the capture left none, from the placeholder's name, which Dynamo derives from it
+    (``l_x_`` against ``l_self_modules_lin_parameters_weight_``). An argument whose own name
+    starts with ``self_`` is missed (not checked per call), never the reverse."""
+    out = []
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+        state = name.startswith("L['self']") if isinstance(name, str) else node.name.startswith("l_self_")
+        if not state:
+            out.append(i)
+    return tuple(out)
 
 
 def size_refusal(shape_env: Any, symbol: Any, lo: int, max_num_tokens: int) -> SizeRefusal | None:

@@ -58,7 +58,7 @@ import torch
 
 import filelock
 
-from ._version import __version__
+from ._version import build_id
 from .backend import PiecewiseBackend, remote_tier
 from .cache.key import KEY_FORMAT, compute_key, diff_factors, env_factors, file_hashes
 from .cache.store import (FACTORS, INDEX, LOCK, CacheEntry, CacheIndexError, check_permissions, current_rank, env_flag,
@@ -200,7 +200,7 @@ def start_factors(backend: Any, module: torch.nn.Module, call_signature: list[An
         "kind": "warm_start",
         "bundle_format": BUNDLE_FORMAT,
         "key_format": KEY_FORMAT,
-        "piecewise": __version__,
+        "piecewise": build_id(),
         "torch": torch.__version__,
         "python": sys.version,
         "env": env_factors(),

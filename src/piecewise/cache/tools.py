@@ -19,7 +19,7 @@ from typing import Any
 
 import filelock
 
-from .._version import __version__
+from .._version import build_id
 from ..errors import CacheError
 from .key import NOT_IN_KEY, diff_factors, diff_items, env_factors
 from .store import FACTORS, INDEX, LOCK, QUARANTINE, CacheIndexError, make_dirs, check_permissions, read_index, readable_file, remove_tree
@@ -316,7 +316,7 @@ def current_factors_sample(entry_factors: dict[str, Any], compiler_hash: Callabl
         here_hash = comp.get("hash")
     else:
         here_hash = compiler_hash(name)
-    return {"torch": torch.__version__, "piecewise": __version__, "env": env_factors(),
+    return {"torch": torch.__version__, "piecewise": build_id(), "env": env_factors(),
             "compiler": {"name": name, "hash": here_hash}}
 
 

@@ -102,11 +102,16 @@ class GraphDispatcher:
         static_inputs: the inputs with a token dim.
         output_dims: per flat output, the token dim to slice back, or None.
         cudagraph_mode: ``piecewise`` | ``full`` | ``full_and_piecewise``.
+        token_count_inputs: every SymInt input that is the token count (`GraphPlan`), each given
+            the padded count; empty: the first SymInt input only.
+        argument_inputs: the forward's own tensor arguments without a token dim (`GraphPlan`):
+            graphs read them in place, so every call checks that each is still at its capture
+            address (one ``data_ptr`` each) and raises `CaptureError` naming it otherwise.
     """
 
     def __init__(self, stitched: Stitched, runner: GraphPool, capture_sizes: Sequence[int], *,
                  static_inputs: list[StaticInput], output_dims: list[int | None], cudagraph_mode: str, max_num_tokens: int,
-                 tag: str) -> None:
+                 tag: str, token_count_inputs: Sequence[int] = (), argument_inputs: Sequence[int] = ()) -> None:
         from .capture_sizes import PaddingTable
 
         forward = stitched.forward
@@ -114,6 +119,9 @@ class GraphDispatcher:
         self.runner = runner
         self.sizes = sorted(capture_sizes)
         self.sym_index = stitched.sym_index
+        self.token_count_inputs = tuple(token_count_inputs) or (self.sym_index,)
+        self.argument_inputs = tuple(argument_inputs)
+        self._argument_ptrs: tuple[tuple[int, int], ...] = ()
         self.static_inputs = static_inputs
         self.output_dims = output_dims
         self.mode = cudagraph_mode
@@ -190,14 +198,24 @@ class GraphDispatcher:
             if padded > n:
                 buf.narrow(si.dim, n, padded - n).zero_()
             new[si.index] = buf
-        new[self.sym_index] = padded
+        for i in self.token_count_inputs:
+            new[i] = padded
         if not self.captured_ptrs:
             # Static buffers, weights and caches: bound in place by every graph (checked at replay).
             self.captured_ptrs = True
             self.runner.stable_ptrs.update(a.data_ptr() for a in new if isinstance(a, torch.Tensor))
             statics = {si.index for si in self.static_inputs}
             self._bound = [(i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in statics]
+            self._argument_ptrs = tuple((i, args[i].data_ptr()) for i in self.argument_inputs)
             self._state_epoch = state.EPOCH
+        else:
+            for i, ptr in self._argument_ptrs:
+                if args[i].data_ptr() != ptr:
+                    raise CaptureError(
+                        f"[{self.tag}] graph input {i}, an argument of the forward without a token dim, is not the tensor "
+                        "the graphs were captured with (another address); captured graphs read it in place, so they "
+                        "would read stale memory. Pass the same tensor on every call (fill it in place), give it the "
+                        "token dim, or set cudagraph_mode='none'")
         return new
 
     def _verify_padding(self, args: tuple[Any, ...], n: int, padded: int) -> Any:

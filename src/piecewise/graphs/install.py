@@ -34,12 +34,20 @@ class GraphPlan:
             static buffers padded to the capture size.
         output_dims: per flat output, its token dim (sliced back to the real rows), or None.
         refused: why this graph gets no graphs at all (None: it may capture).
+        token_count_inputs: indices of the graph's SymInt inputs that are the token count (Dynamo
+            may pass it more than once, one SymInt per input dim it was read from); every one gets
+            the padded count. Empty: only the first SymInt input.
+        argument_inputs: indices of tensor inputs without a token dim that are the forward's own
+            arguments (not parameters or buffers). Graphs read them in place, so the dispatcher
+            checks on every call that each is the tensor of the capture (same address).
     """
 
     device: str
     static_inputs: tuple[tuple[int, int], ...] = ()
     output_dims: tuple[int | None, ...] = ()
     refused: str | None = None
+    token_count_inputs: tuple[int, ...] = ()
+    argument_inputs: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -64,6 +72,21 @@ def _token_dim(x: Any, symbol: Any) -> int | None | bool:
                 return False
             found = d
     return found
+
+
+def _other_symbols(x: Any, symbol: Any) -> set[Any]:
+    """Free symbols of `x`'s sizes (or of `x` itself, a SymInt input) other than `symbol`."""
+    if isinstance(x, torch.SymInt):
+        sizes: tuple[Any, ...] = (x,)
+    elif isinstance(x, torch.Tensor):
+        sizes = tuple(x.shape)
+    else:
+        return set()
+    return {f for s in sizes if isinstance(s, torch.SymInt) for f in s.node.expr.free_symbols if f != symbol}
+
+
+def _describe(x: Any) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"size {x}"
 
 
 _REQUIRED = object()
@@ -138,10 +161,12 @@ def token_mixing(gm: torch.fx.GraphModule, symbol: Any, split_ops: frozenset[str
     return found
 
 
-def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, mixing: Sequence[str] = ()) -> GraphPlan:
+def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, mixing: Sequence[str] = (),
+               argument_inputs: Sequence[int] = ()) -> GraphPlan:
     """The `GraphPlan` of a graph from its fake inputs and outputs. `refused` is set when inputs
     cannot be padded or the graph combines values across tokens (`mixing`, from `token_mixing`):
-    padding would let pad rows into real results."""
+    padding would let pad rows into real results. `argument_inputs`: the graph inputs that are
+    the forward's arguments (the backend reads them from Dynamo's sources)."""
     device = next((x.device.type for x in fake_inputs if isinstance(x, torch.Tensor)), "cpu")
     if mixing:
         more = f" and {len(mixing) - 2} more" if len(mixing) > 2 else ""
@@ -149,6 +174,20 @@ def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, mixin
                 f"of a padded call would change real results: {'; '.join(mixing[:2])}{more}. Graphs need every token's "
                 "result to depend on its own row only; move such steps into a splitting op that honours "
                 "forward_context().num_tokens, or after the compiled model, or set cudagraph_mode='none'")
+    for i, x in enumerate(fake_inputs):
+        other = _other_symbols(x, symbol)
+        if other:
+            return GraphPlan(device, refused=f"graph input {i} ({_describe(x)}) has a dynamic size other than the token "
+                    f"count ({', '.join(sorted(map(str, other)))}); a captured graph replays the shapes of its capture, "
+                    "one graph per token count, so another size would replay the wrong shape. Leave that dim static "
+                    "(out of dynamic_arg_dims), or set cudagraph_mode='none'")
+    counts = []
+    for i, x in enumerate(fake_inputs):
+        if isinstance(x, torch.SymInt) and symbol in x.node.expr.free_symbols:
+            if x.node.expr != symbol:
+                return GraphPlan(device, refused=f"graph input {i} is the token count inside an expression ({x}); "
+                                 "padding could not give it its padded value")
+            counts.append(i)
     statics: list[tuple[int, int]] = []
     for i, x in enumerate(fake_inputs):
         d = _token_dim(x, symbol)
@@ -165,7 +204,11 @@ def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, mixin
                     f"({tuple(o.shape)}), so a padded call's pad rows could not be sliced off; return the token dim as "
                     "a dim of its own, or set cudagraph_mode='none'")
         output_dims.append(d)
-    return GraphPlan(device, tuple(statics), tuple(output_dims))
+    static_index = {i for i, _ in statics}
+    arguments = tuple(i for i in argument_inputs if i < len(fake_inputs) and isinstance(fake_inputs[i], torch.Tensor)
+                      and i not in static_index)
+    return GraphPlan(device, tuple(statics), tuple(output_dims), token_count_inputs=tuple(counts),
+                     argument_inputs=arguments)
 
 
 def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[Any], plan: GraphPlan) -> GraphInstall | None:
@@ -214,6 +257,7 @@ def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[
         counters.bump("capturable_pieces", len(runners) + capturable, tag=tag)
     dispatcher = GraphDispatcher(stitched, pool, sizes, static_inputs=[StaticInput(i, d) for i, d in plan.static_inputs],
                                  output_dims=list(plan.output_dims), cudagraph_mode=mode, max_num_tokens=config.max_num_tokens,
-                                 tag=tag)
+                                 tag=tag, token_count_inputs=plan.token_count_inputs,
+                                 argument_inputs=getattr(plan, "argument_inputs", ()))
     dispatcher.wrappers = wrappers
     return GraphInstall(dispatcher, pool, wrappers)
