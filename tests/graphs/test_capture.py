@@ -434,6 +434,13 @@ def test_reference_decoder_decode_under_graphs_equals_eager(mode, strategy):
             out = decode(cm, model)
         assert out.tokens == ref.tokens
         assert counters.by_tag[cm.tag].graph_replays > 0
+        if mode == "piecewise":
+            # The attention op writes into an output buffer the piece before it allocated, so every
+            # piece's inputs are bound in place: nothing is copied into a graph before a replay.
+            entries = [(w.name, e) for w in cm.backend.stitched_wrappers for e in w.entries.values()
+                       if e.phase is Phase.CAPTURED]
+            assert len(entries) >= 2 * cfg.num_layers
+            assert [(name, e.size) for name, e in entries if e.copied] == []
 
 
 def test_sub_batch_replay_gathers_rows_pads_and_slices():
@@ -509,3 +516,83 @@ def test_cudagraph_num_warmups_eager_runs_before_each_capture(warmups, strategy)
 def test_cudagraph_num_warmups_is_validated(bad):
     with pytest.raises(pw.ConfigError, match="cudagraph_num_warmups"):
         CompilationConfig(cudagraph_num_warmups=bad)
+
+
+def test_transformers_generate_replays_decode_graphs_and_equals_eager(tmp_path):
+    """generate() where graphs apply: prefill runs the two-dynamic-dim step without graphs, decode
+    steps a step whose batch is the token count, captured per size up to max_num_seqs. Before, the
+    one step was padded along its batch to sizes above the cache's slots and failed at its first
+    call. Tokens equal eager greedy for every batch (left padding included); one trace per phase;
+    the attention op writes an output buffer, so no graph copies an input before a replay."""
+    from piecewise.models import hf
+
+    hf.register_hf_attention()
+    model = hf.tiny_llama(num_layers=2)
+    ref = hf.tiny_llama(num_layers=2, attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(7)
+    with fake_cpu_platform():
+        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_seqs=4, max_model_len=64, cache_dir=str(tmp_path)))
+        with counters.expect(recompiles=0):
+            for batch, length, new in ((1, 5, 6), (3, 9, 4), (4, 2, 7), (2, 1, 5), (3, 6, 3)):
+                ids = torch.randint(1, 256, (batch, length), generator=gen)
+                mask = torch.ones(batch, length, dtype=torch.long)
+                if batch > 1 and length > 2:
+                    mask[0, :2] = 0  # a left-padded row
+                kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0)
+                assert torch.equal(cm.generate(ids, **kw), ref.generate(ids, **kw)), (batch, length, new)
+        decode = counters.by_tag[f"{cm.tag}_generate_decode"]
+        assert counters.by_tag[f"{cm.tag}_generate"].dynamo_traces == 1 and decode.dynamo_traces == 1
+        assert counters.by_tag[f"{cm.tag}_generate"].graph_replays == 0
+        assert decode.graph_replays > 0 and decode.graphs_captured > 0
+        step = cm._route.compiled[(True, True)]  # (last position's logits, decode step with graphs)
+        entries = [e for w in step.backend.stitched_wrappers for e in w.entries.values() if e.phase is Phase.CAPTURED]
+        assert len(entries) >= 3 and [e.size for e in entries if e.copied] == []
+
+
+class _ArgumentRead(torch.nn.Module):
+    def forward(self, x, scale):  # x: [tokens, 8]; scale: [8], read in place by the graphs
+        return x.sin() * scale
+
+
+def test_an_argument_without_a_token_dim_passed_anew_is_refused_not_read_stale(tmp_path):
+    """Graphs read such an argument at its capture address: a call with another tensor there
+    raises CaptureError naming it (before, later calls could replay over stale memory); the same
+    tensor filled in place is followed."""
+    model = _ArgumentRead()
+    with fake_cpu_platform():
+        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=16, cudagraph_capture_sizes=[4, 8],
+                                                 cache_dir=str(tmp_path)), dynamic_arg_dims={"x": 0})
+        scale = torch.randn(8)
+        gen = torch.Generator().manual_seed(6)
+        for n in (4, 3, 8, 5):
+            scale.copy_(torch.randn(8, generator=gen))
+            x = torch.randn(n, 8, generator=gen)
+            torch.testing.assert_close(cm(x, scale), model(x, scale), rtol=1e-5, atol=1e-5)
+        assert counters.by_tag[cm.tag].graph_replays > 0
+        with pytest.raises(pw.CaptureError, match="graph input .* argument of the forward without a token dim"):
+            cm(torch.randn(4, 8), torch.randn(8))
+
+
+def _hf_out(o):
+    return o.logits if hasattr(o, "logits") else o.last_hidden_state
+
+
+class _TwoDynamicDims(torch.nn.Module):
+    def forward(self, x, y):  # x: [tokens, 8]; y: [other, 8], a second dynamic size
+        return x.sin() * 2 + y.sum(0)
+
+
+def test_a_second_dynamic_size_turns_graphs_off_and_stays_exact(caplog, tmp_path):
+    """One graph per token count would replay the capture's shape of the other dynamic dim: the
+    plan refuses graphs (logged, naming the input) and every call equals eager."""
+    model = _TwoDynamicDims()
+    with fake_cpu_platform():
+        cfg = CompilationConfig(backend="eager", max_num_tokens=16, cudagraph_capture_sizes=[4, 8], cache_dir=str(tmp_path))
+        cm = pw.compile(model, cfg, dynamic_arg_dims={"x": 0, "y": 0})
+        gen = torch.Generator().manual_seed(5)
+        with caplog.at_level("WARNING", logger="piecewise"), counters.expect(recompiles=0):
+            for n, k in ((4, 3), (4, 5), (3, 7), (8, 2), (4, 9)):
+                x, y = torch.randn(n, 8, generator=gen), torch.randn(k, 8, generator=gen)
+                torch.testing.assert_close(cm(x, y), model(x, y), rtol=1e-5, atol=1e-5)
+        assert "has a dynamic size other than the token count" in caplog.text
+        assert counters.by_tag[cm.tag].graph_replays == 0

@@ -76,7 +76,7 @@ def test_op_matches_reference_attention(groups, mask, is_causal):
     keep = torch.rand(b, 1, seq, seq, generator=gen) > 0.3
     keep[..., 0] = True  # no fully masked row
     attn_mask = {None: None, "bool": keep, "float": torch.zeros(b, 1, seq, seq).masked_fill(~keep, -1e9)}[mask]
-    out = hf.hf_attention(q, k, v, attn_mask, 0.3, is_causal)
+    out = _attend(q, k, v, attn_mask, 0.3, is_causal)
 
     scores = q @ k.repeat_interleave(groups, 1).transpose(-1, -2) * 0.3
     if attn_mask is not None:
@@ -87,8 +87,16 @@ def test_op_matches_reference_attention(groups, mask, is_causal):
     assert out.shape == (b, seq, kv_heads * groups, d) and out.is_contiguous()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # A single query token sees every key: is_causal must not reduce it to key 0.
-    one = hf.hf_attention(q[:, :, -1:], k, v, None, 0.3, True)
-    torch.testing.assert_close(one, hf.hf_attention(q[:, :, -1:], k, v, None, 0.3, False))
+    one = _attend(q[:, :, -1:], k, v, None, 0.3, True)
+    torch.testing.assert_close(one, _attend(q[:, :, -1:], k, v, None, 0.3, False))
+
+
+def _attend(q, k, v, attn_mask, scaling, is_causal):
+    """The op into a NaN-filled output buffer: every element must be written."""
+    b, heads, seq, _ = q.shape
+    out = torch.full((b, seq, heads, v.shape[-1]), float("nan"))
+    assert hf.hf_attention(q, k, v, attn_mask, scaling, is_causal, out) is None
+    return out
 
 
 @pytest.mark.parametrize("name", BUILDERS)

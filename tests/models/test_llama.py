@@ -112,7 +112,8 @@ def test_attention_op_zeroes_pad_rows():
     k_cache, v_cache = torch.zeros(2, 8, 2, 8), torch.zeros(2, 8, 2, 8)
     positions, seq_ids = torch.tensor([0, 1, 0, 0]), torch.tensor([1, 1, 0, 0])
     with set_forward_context(ForwardContext(num_tokens=2, padded_num_tokens=4)):
-        out = llama_attention(q, k, v, k_cache, v_cache, positions, seq_ids, 8**-0.5)
+        out = torch.empty_like(q)
+        llama_attention(q, k, v, k_cache, v_cache, positions, seq_ids, 8**-0.5, out)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
     assert out[:2].abs().sum() > 0
     assert k_cache[0].abs().sum() == 0 and torch.equal(k_cache[1, :2], k[:2])
@@ -193,7 +194,8 @@ def test_attention_by_sequence_equals_the_gathered_attention(order):
     q = torch.randn(len(seq), heads, dim, generator=g)
     assert q.shape[0] > slots  # the case that takes the by-sequence path
     want = _gathered_attention(q, k_cache, v_cache, seq, pos, 0.25)
-    got = _attention_by_sequence(q, k_cache, v_cache, seq, pos, 0.25)
+    got = torch.full_like(q, float("nan"))  # every row must be written
+    _attention_by_sequence(q, k_cache, v_cache, seq, pos, 0.25, got)
     torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
 
 

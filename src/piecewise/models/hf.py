@@ -54,7 +54,7 @@ __all__ = [
 ATTENTION_OP = "piecewise_models::hf_attention"
 
 
-@splitting_op(ATTENTION_OP)
+@splitting_op(ATTENTION_OP, mutates_args=("out",))
 def hf_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -62,8 +62,10 @@ def hf_attention(
     attn_mask: torch.Tensor | None,
     scaling: float,
     is_causal: bool,
-) -> torch.Tensor:
-    """Scaled dot-product attention in the calling convention of a `transformers` attention function.
+    out: torch.Tensor,
+) -> None:
+    """Scaled dot-product attention in the calling convention of a `transformers` attention
+    function, written into `out`.
 
     Args:
         query: ``[batch, num_heads, q_len, head_dim]``.
@@ -76,9 +78,9 @@ def hf_attention(
             for a single query token, which sees every key (a decode step), exactly as
             transformers' SDPA path does; deciding that here keeps ``q_len > 1`` out of the traced
             graph, so a dynamic ``q_len`` never guards on it.
-
-    Returns:
-        ``[batch, q_len, num_heads, value_head_dim]``, contiguous, in the query dtype.
+        out: ``[batch, q_len, num_heads, value_head_dim]`` in the query dtype, overwritten; the
+            caller allocates it in the piece before the op (`piecewise_attention_forward`), so under
+            piecewise CUDA graphs the next piece reads it in place (no copy per replay).
 
     No dropout: this is an inference op.
     """
@@ -89,16 +91,15 @@ def hf_attention(
         gqa["enable_gqa"] = True  # fused kernels take GQA natively only without a mask
     elif groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(
+    res = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, scale=scaling, is_causal=is_causal, **gqa
     )
-    return out.transpose(1, 2).contiguous()
+    out.copy_(res.transpose(1, 2))
 
 
 @hf_attention.register_fake
-def _(query, key, value, attn_mask, scaling, is_causal):
-    batch, num_heads, q_len, _ = query.shape
-    return query.new_empty(batch, q_len, num_heads, value.shape[-1])
+def _(query, key, value, attn_mask, scaling, is_causal, out):
+    return None
 
 
 # Keyword arguments some architectures pass that change the math; ignoring them would be wrong.
@@ -140,7 +141,10 @@ def piecewise_attention_forward(
     # A materialised mask already holds causality (and padding); SDPA must not apply it twice.
     causal = bool(causal) and attention_mask is None
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    return hf_attention(query, key, value, attention_mask, scale, causal), None
+    batch, num_heads, q_len, _ = query.shape
+    out = query.new_empty(batch, q_len, num_heads, value.shape[-1])  # written by the op, read in place next
+    hf_attention(query, key, value, attention_mask, scale, causal, out)
+    return out, None
 
 
 def register_hf_attention(name: str = "piecewise") -> str:

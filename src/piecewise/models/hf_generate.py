@@ -13,7 +13,14 @@ of the current one.
 
 One trace serves prefill and decode, any batch size up to `max_num_seqs` and any length up to
 `max_model_len` (batch and token dims are both dynamic): the counters show one Dynamo trace for
-any number of ``generate()`` calls. Left padding works through the 2-D ``attention_mask``: pad
+any number of ``generate()`` calls. That step captures no graphs: a graph replays one shape per
+token count, and it has two dynamic sizes. Where graphs apply (a device with a graph platform, a
+`cudagraph_mode` other than ``"none"``), decode steps (one new token a row, the last position's
+logits) go to a second compiled step, tag ``<tag>_generate_decode``, traced once on the first
+decode step: only the batch dim is dynamic, and it is the token count its graphs are captured and
+padded for, capture sizes up to `max_num_seqs` (a pad row writes the cache at a slot no real row
+of the call uses, and attends only its own position). So generation shows two traces on a GPU
+(prefill, decode) and one on the CPU. Left padding works through the 2-D ``attention_mask``: pad
 positions are never attended by real tokens. ``use_cache=False`` runs the whole sequence each step
 through the same compiled step.
 """
@@ -33,7 +40,7 @@ __all__ = ["CACHED_ATTENTION_OP", "GenerationRoute", "GenerationStep", "hf_cache
 CACHED_ATTENTION_OP = "piecewise_models::hf_cached_attention"
 
 
-@splitting_op(CACHED_ATTENTION_OP, mutates_args=("k_cache", "v_cache"))
+@splitting_op(CACHED_ATTENTION_OP, mutates_args=("k_cache", "v_cache", "out"))
 def hf_cached_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -43,8 +50,10 @@ def hf_cached_attention(
     write_pos: torch.Tensor,
     mask: torch.Tensor,
     scaling: float,
-) -> torch.Tensor:
-    """Write this step's keys and values into the static cache and attend over the cached rows.
+    out: torch.Tensor,
+) -> None:
+    """Write this step's keys and values into the static cache and attend over the cached rows;
+    the result goes into `out`.
 
     Args:
         query: ``[batch, num_heads, new_tokens, head_dim]``.
@@ -56,9 +65,10 @@ def hf_cached_attention(
         mask: ``[batch, new_tokens, max_model_len]`` bool, which cache positions each token sees
             (`attention_mask_for_step`: one mask a step, shared by every layer).
         scaling: multiplier of ``q @ k^T``.
-
-    Returns:
-        ``[batch, new_tokens, num_heads, value_head_dim]``, contiguous, in the query dtype.
+        out: ``[batch, new_tokens, num_heads, value_head_dim]`` in the query dtype, overwritten.
+            The caller allocates it in the piece before the op (`cached_attention_forward`), so
+            under piecewise CUDA graphs the next piece reads it in place instead of copying the
+            op's result into its graph's input buffer on every replay.
 
     Attends over cache positions ``0..write_pos[-1]`` only (one host read of the last position),
     so a decode step's cost follows the sequence, not the cache size. The mask comes built: per
@@ -68,11 +78,11 @@ def hf_cached_attention(
     k_cache[:batch].index_copy_(2, write_pos, key.to(k_cache.dtype))
     v_cache[:batch].index_copy_(2, write_pos, value.to(v_cache.dtype))
     length = int(write_pos[-1]) + 1
-    out = torch.nn.functional.scaled_dot_product_attention(
+    res = torch.nn.functional.scaled_dot_product_attention(
         query, k_cache[:batch, :, :length].to(query.dtype), v_cache[:batch, :, :length].to(query.dtype),
         attn_mask=mask[:, None, :, :length], scale=scaling, enable_gqa=heads != key.shape[1],
     )
-    return out.transpose(1, 2).contiguous()
+    out.copy_(res.transpose(1, 2))
 
 
 def attention_mask_for_step(write_pos: torch.Tensor, kv_valid: torch.Tensor) -> torch.Tensor:
@@ -88,16 +98,15 @@ def attention_mask_for_step(write_pos: torch.Tensor, kv_valid: torch.Tensor) -> 
 
 
 @hf_cached_attention.register_fake
-def _(query, key, value, k_cache, v_cache, write_pos, mask, scaling):
-    batch, heads, new_tokens, _ = query.shape
-    return query.new_empty(batch, new_tokens, heads, value.shape[-1])
+def _(query, key, value, k_cache, v_cache, write_pos, mask, scaling, out):
+    return None
 
 
 class GenerationStep(torch.nn.Module):
     """One generation step of a transformers causal LM over the piecewise-owned KV cache.
 
     ``forward(input_ids [B, T] int64, position_ids [B, T] int64, write_pos [T] int64, kv_valid
-    [B, max_model_len] bool) -> logits [B, T, vocab]`` (``[B, 1, vocab]``, the last position's,
+    [B or more, max_model_len] bool) -> logits [B, T, vocab]`` (``[B, 1, vocab]``, the last position's,
     when built with ``last_logits_only``: what ``generate()`` reads, and at a 128-token prefill of
     SmolLM2 the full-vocabulary projection of the other 127 positions is most of the step's
     work). The wrapped model's attention layers (built with ``attn_implementation="piecewise"``)
@@ -122,6 +131,8 @@ class GenerationStep(torch.nn.Module):
                      else torch.zeros(shape, dtype=param.dtype, device=param.device))
                 self.register_buffer(f"{kind}_cache_{i}", t, persistent=False)
         self.num_layers = layers
+        #: kv_valid passed with every slot's row (``[max_num_seqs, max_model_len]``), not the batch's
+        self.all_slots_kv_valid = False
 
     def sharing(self, last_logits_only: bool) -> "GenerationStep":
         """A step over the same model and the same cache tensors that returns the other logits."""
@@ -134,6 +145,10 @@ class GenerationStep(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, write_pos: torch.Tensor,
                 kv_valid: torch.Tensor) -> torch.Tensor:
+        if self.all_slots_kv_valid:
+            # the decode step with graphs: kv_valid holds every slot (a static shape and address, so
+            # the batch is the trace's only dynamic size); the batch's rows are sliced here
+            kv_valid = kv_valid[: input_ids.shape[0]]
         k_caches = tuple(getattr(self, f"k_cache_{i}") for i in range(self.num_layers))
         v_caches = tuple(getattr(self, f"v_cache_{i}") for i in range(self.num_layers))
         # The class's forward: ``self.model.forward`` may be the compiled model itself (generate()).
@@ -149,8 +164,10 @@ def cached_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """The attention function's path inside a `GenerationStep` (the step's caches are in `kwargs`)."""
     layer = module.layer_idx
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = hf_cached_attention(query, key, value, kwargs["pw_k_caches"][layer], kwargs["pw_v_caches"][layer],
-                              kwargs["pw_write_pos"], kwargs["pw_mask"], scale)
+    batch, heads, new_tokens, _ = query.shape
+    out = query.new_empty(batch, new_tokens, heads, value.shape[-1])  # written by the op, read in place next
+    hf_cached_attention(query, key, value, kwargs["pw_k_caches"][layer], kwargs["pw_v_caches"][layer],
+                        kwargs["pw_write_pos"], kwargs["pw_mask"], scale, out)
     return out, None
 
 
@@ -179,8 +196,10 @@ class GenerationRoute:
         self.max_model_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", config.max_model_len))
         #: the step generate() uses (last position's logits); its caches are every step's caches
         self.step: GenerationStep | None = None
-        #: compiled steps by whether they return only the last position's logits (each traced on first use)
-        self.compiled: dict[bool, Any] = {}
+        #: compiled steps by (whether they return only the last position's logits, whether they are the
+        #: decode step with graphs), each traced on first use
+        self.compiled: dict[tuple[bool, bool], Any] = {}
+        self._graphs: bool | None = None
         self.kv_valid: torch.Tensor | None = None
         self._cache_ref: Any = None
         self._past = 0
@@ -207,7 +226,7 @@ class GenerationRoute:
                              "prompt / max_new_tokens")
         keep = kwargs.get("logits_to_keep", 0)
         last_only = isinstance(keep, int) and not isinstance(keep, bool) and keep == 1
-        compiled = self._ensure_compiled(input_ids.device, last_only)
+        compiled = self._ensure_compiled(input_ids.device, last_only, decode=new == 1 and last_only)
         total = past + new
         valid = self.kv_valid
         mask = kwargs.get("attention_mask")
@@ -229,7 +248,11 @@ class GenerationRoute:
         else:
             raise InputError(f"[{self.tag}] attention_mask of shape {tuple(mask.shape)} does not cover the {total} positions "
                              "of this sequence")
-        write_pos = torch.arange(past, total, device=input_ids.device)
+        if getattr(compiled, "pw_decode_step", False):  # graphs read it in place: one tensor, filled
+            write_pos = self.decode_write_pos
+            write_pos.fill_(past)
+        else:
+            write_pos = torch.arange(past, total, device=input_ids.device)
         position_ids = kwargs.get("position_ids")
         if position_ids is None:  # as transformers derives them: count of real tokens so far
             position_ids = (valid[:batch, :total].long().cumsum(-1) - 1).clamp(min=0)[:, past:]
@@ -237,7 +260,10 @@ class GenerationRoute:
         # the trace (and its saved guards) see the model as it is outside generate().
         assigned = self.model.__dict__.pop("forward", None)
         try:
-            logits = compiled(input_ids, position_ids.expand(batch, new).contiguous(), write_pos, valid[:batch])
+            # the decode step with graphs takes every slot's row of kv_valid (a static shape and
+            # address: its batch is then the only dynamic size); the general step the batch's rows
+            logits = compiled(input_ids, position_ids.expand(batch, new).contiguous(), write_pos,
+                              valid if getattr(compiled, "pw_decode_step", False) else valid[:batch])
         finally:
             if assigned is not None:
                 self.model.__dict__["forward"] = assigned
@@ -312,29 +338,56 @@ class GenerationRoute:
         except (AttributeError, TypeError):
             pass
 
-    def _ensure_compiled(self, device: torch.device, last_only: bool) -> Any:
+    def _graphs_apply(self, device: torch.device) -> bool:
+        if self._graphs is None:
+            from ..graphs.platform import resolve_platform
+
+            self._graphs = self.config.cudagraph_mode != "none" and resolve_platform(device.type) is not None
+        return self._graphs
+
+    def _ensure_compiled(self, device: torch.device, last_only: bool, decode: bool = False) -> Any:
         """The compiled step returning the last position's logits (`last_only`, tag
         ``<tag>_generate``: what ``generate()`` asks for with ``logits_to_keep=1``) or every
         position's (tag ``<tag>_generate_all_logits``: other calls), built on first use over one
-        set of cache tensors."""
-        if last_only in self.compiled:
-            return self.compiled[last_only]
+        set of cache tensors; for a `decode` call where graphs apply, the decode step with graphs
+        (tag ``<tag>_generate_decode``, see the module doc)."""
+        decode = decode and last_only and self._graphs_apply(device)
+        key = (last_only, decode)
+        if key in self.compiled:
+            return self.compiled[key]
         import dataclasses
 
         from ..api import compile as pw_compile
+        from ..graphs.capture_sizes import default_capture_sizes
 
         if self.step is None:
             self.step = GenerationStep(self.model, self.max_num_seqs, self.max_model_len, last_logits_only=True)
             self.kv_valid = torch.zeros(self.max_num_seqs, self.max_model_len, dtype=torch.bool, device=device)
         step = self.step if last_only else self.step.sharing(last_logits_only=False)
+        if decode:
+            step = self.step.sharing(last_logits_only=True)
+            step.all_slots_kv_valid = True
+            # The batch dim is the token count of the graphs: capture sizes up to max_num_seqs (the
+            # op slices the cache by the padded batch, so no pad row may reach past the slots).
+            sizes = tuple(s for s in (self.config.cudagraph_capture_sizes or default_capture_sizes(self.max_num_seqs))
+                          if s <= self.max_num_seqs) or (self.max_num_seqs,)
+            config = dataclasses.replace(self.config, tag=f"{self.tag}_generate_decode", compile_sizes=(),
+                                         compile_ranges=(), max_num_tokens=self.max_num_seqs,
+                                         cudagraph_capture_sizes=sizes)
+            compiled = pw_compile(step, config, dynamic_arg_dims={"input_ids": 0, "position_ids": 0})
+            compiled.pw_decode_step = True
+            self.decode_write_pos = torch.zeros(1, dtype=torch.long, device=device)
+            self.compiled[key] = compiled
+            return compiled
         # Batch and token dims are both dynamic, so size and range compiles (keyed by one token
-        # count) do not apply to the step: one symbolic compile serves it.
+        # count) do not apply to the step, nor do graphs: one symbolic compile serves it.
         config = dataclasses.replace(self.config, tag=f"{self.tag}_generate" + ("" if last_only else "_all_logits"),
-                                     compile_sizes=(), compile_ranges=(),
+                                     compile_sizes=(), compile_ranges=(), cudagraph_mode="none",
+                                     cudagraph_capture_sizes=None,
                                      max_num_tokens=max(self.config.max_num_tokens, self.max_num_seqs, self.max_model_len))
-        self.compiled[last_only] = pw_compile(step, config, dynamic_arg_dims={
+        self.compiled[key] = pw_compile(step, config, dynamic_arg_dims={
             "input_ids": (0, 1), "position_ids": (0, 1), "write_pos": 0, "kv_valid": 0})
-        return self.compiled[last_only]
+        return self.compiled[key]
 
 
 def generation_route(module: torch.nn.Module, config: Any, tag: str) -> GenerationRoute | None:

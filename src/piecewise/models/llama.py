@@ -108,7 +108,7 @@ class LlamaConfig:
             )
 
 
-@splitting_op(LLAMA_ATTENTION_OP, mutates_args=("k_cache", "v_cache"))
+@splitting_op(LLAMA_ATTENTION_OP, mutates_args=("k_cache", "v_cache", "out"))
 def llama_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -118,8 +118,10 @@ def llama_attention(
     positions: torch.Tensor,
     seq_ids: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
-    """Causal grouped-query attention over a static KV cache; writes this step's k/v in place.
+    out: torch.Tensor,
+) -> None:
+    """Causal grouped-query attention over a static KV cache; writes this step's k/v in place and
+    the result into `out`.
 
     Args:
         q: [num_tokens, num_heads, head_dim].
@@ -129,46 +131,100 @@ def llama_attention(
         positions: [num_tokens] int64, each token's position in its sequence.
         seq_ids: [num_tokens] int64, each token's sequence slot.
         scale: multiplier of q·k, usually ``head_dim ** -0.5``.
+        out: [num_tokens, num_heads, head_dim] in `q`'s dtype, overwritten with the result. Token t
+            attends to its own sequence's cached positions ``0..positions[t]``, which includes
+            tokens written by this same call.
 
-    Returns:
-        [num_tokens, num_heads, head_dim] in `q`'s dtype. Token t attends to its own sequence's
-        cached positions ``0..positions[t]``, which includes tokens written by this same call.
+    The output argument is the pattern serving engines use for attention: the model allocates
+    `out` (``torch.empty_like(q)``) in the piece before the op, so under piecewise CUDA graphs it
+    lives at a fixed address in that piece's graph and the next piece reads it in place; an op
+    that returned a fresh tensor would cost a copy into the next graph's input buffer on every
+    replay (`graphs.wrapper`).
 
     Under a forward context only the first ``num_tokens`` rows are real: pad rows (appended after
     them by graph padding) are neither written to the cache nor attended, and their output is zero.
     Positions a token reads must have been written by this or an earlier call; the cache is not
     checked. Inside a full graph (runtime mode ``"full"``) the real count comes from the context's
     device tensor and pad rows write into the cache's last slot, a scratch slot no sequence owns,
-    so the op has no Python branch on the count and replays correctly.
+    so the op has no Python branch on the count and replays correctly. On a CUDA device with Triton
+    installed, attention is one kernel (`models.triton_attention`); elsewhere SDPA.
     """
     ctx = forward_context()
     if ctx is not None and ctx.runtime_mode == "full" and ctx.num_tokens_device is not None:
-        return _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, ctx.num_tokens_device)
+        _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, ctx.num_tokens_device, out)
+        return
     n = q.shape[0] if ctx is None else min(ctx.num_tokens, q.shape[0])
+    if n < q.shape[0]:  # pad rows: zero
+        out[n:].zero_()
     if n == 0:
-        return torch.zeros_like(q)
+        return
     pos, seq = positions[:n], seq_ids[:n]
     k_cache.index_put_((seq, pos), k[:n])
     v_cache.index_put_((seq, pos), v[:n])
-    out = _cached_attention(q[:n], k_cache, v_cache, seq, pos, scale)
-    if n < q.shape[0]:  # pad rows: zero
-        out = torch.cat((out, q.new_zeros((q.shape[0] - n, *q.shape[1:]))))
-    return out
+    _cached_attention(q[:n], k_cache, v_cache, seq, pos, scale, out[:n])
 
 
-def _cached_attention(q, k_cache, v_cache, seq, pos, scale):
-    """[n, num_heads, head_dim] attention of each token over its sequence's cached rows 0..pos.
+def _cached_attention(q, k_cache, v_cache, seq, pos, scale, out):
+    """Attention of each of the ``n`` tokens of `q` [n, num_heads, head_dim] over its sequence's
+    cached rows ``0..pos``, written into `out` [n, num_heads, head_dim].
 
-    At most one token a sequence slot (decode; ``n`` no more than the slots): one fused
+    On CUDA with Triton (`attention_impl` ``"auto"`` or ``"triton"``): one kernel for any mix of
+    decode and prefill tokens, writing `out` directly (`models.triton_attention`). Otherwise SDPA:
+    at most one token a sequence slot (decode; ``n`` no more than the slots), one fused
     ``scaled_dot_product_attention`` call with grouped-query heads over each token's gathered
     cache rows and a [n, max_seq_len] causal mask, about 10 dispatcher calls a layer instead of
     ~25 for gather/einsum/softmax, which is what the host pays between piecewise graphs on a GPU.
     More tokens than slots (a prefill is in the batch): `_attention_by_sequence`, because the
     gather copies ``max_seq_len`` cache rows per token (at a 1024-token prefill of SmolLM2's shape,
     150 MB a layer for the keys alone)."""
-    if q.shape[0] > k_cache.shape[0]:
-        return _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale)
-    return _gathered_attention(q, k_cache, v_cache, seq, pos, scale)
+    if _use_triton(q):
+        from .triton_attention import cached_attention
+
+        cached_attention(q, k_cache, v_cache, seq, pos, scale, out)
+    elif q.shape[0] > k_cache.shape[0]:
+        _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out)
+    else:
+        out.copy_(_gathered_attention(q, k_cache, v_cache, seq, pos, scale))
+
+
+#: Values of ``PIECEWISE_LLAMA_ATTENTION``, which says what the reference decoder's attention op
+#: runs: ``"auto"`` (the default: Triton on CUDA when it is installed, SDPA otherwise), ``"sdpa"``
+#: (always SDPA: the reference, and a baseline for benchmarks) or ``"triton"`` (always Triton, on
+#: any device; on the CPU only under ``TRITON_INTERPRET=1``, which is how the tests check the
+#: kernel's logic against SDPA without a GPU).
+ATTENTION_IMPLS = ("auto", "sdpa", "triton")
+_attention_impl: str | None = None
+
+
+def attention_impl() -> str:
+    """The process's ``PIECEWISE_LLAMA_ATTENTION`` (read once, on the op's first call).
+
+    Raises:
+        ConfigError: the variable holds something other than `ATTENTION_IMPLS`.
+    """
+    global _attention_impl
+    if _attention_impl is None:
+        import os
+
+        value = os.environ.get("PIECEWISE_LLAMA_ATTENTION", "auto").strip().lower() or "auto"
+        if value not in ATTENTION_IMPLS:
+            raise ConfigError(f"PIECEWISE_LLAMA_ATTENTION={value!r} is not one of {', '.join(ATTENTION_IMPLS)}; "
+                              "unset it for the default ('auto')")
+        _attention_impl = value
+    return _attention_impl
+
+
+def _use_triton(q: torch.Tensor) -> bool:
+    impl = _attention_impl or attention_impl()
+    if impl == "sdpa":
+        return False
+    if impl == "triton":
+        return True
+    if q.device.type != "cuda":
+        return False
+    from .triton_attention import triton_available
+
+    return triton_available()
 
 
 def _gathered_attention(q, k_cache, v_cache, seq, pos, scale):
@@ -182,47 +238,51 @@ def _gathered_attention(q, k_cache, v_cache, seq, pos, scale):
     return out.squeeze(2)
 
 
-def _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale):
+def _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out):
     """`_cached_attention` for batches holding a prefill: each run of consecutive tokens of one
     sequence attends in one SDPA call over a view of its slot's cache rows ``0..max(pos)`` with a
-    causal mask, so nothing is gathered. One host read of `seq` and `pos` (a device sync on a GPU,
-    paid only by batches with more tokens than slots). Correct for any token order: every token
-    sees exactly its sequence's rows ``0..pos``, written before any token attends."""
+    causal mask, so nothing is gathered; each run's result is written into its rows of `out`. One
+    host read of `seq` and `pos` (a device sync on a GPU, paid only by batches with more tokens
+    than slots). Correct for any token order: every token sees exactly its sequence's rows
+    ``0..pos``, written before any token attends."""
     bounds = torch.unique_consecutive(seq, return_counts=True)
     slots, counts = bounds[0].tolist(), bounds[1].tolist()
     positions = pos.tolist()
-    outs, start = [], 0
+    start = 0
     for slot, count in zip(slots, counts):
         end = start + count
         length = max(positions[start:end]) + 1
         keys = k_cache[slot, :length].transpose(0, 1)[None]  # [1, num_kv_heads, length, head_dim]
         values = v_cache[slot, :length].transpose(0, 1)[None]
         visible = torch.arange(length, device=q.device)[None, :] <= pos[start:end, None]  # [count, length]
-        out = torch.nn.functional.scaled_dot_product_attention(
+        res = torch.nn.functional.scaled_dot_product_attention(
             q[start:end].transpose(0, 1)[None], keys, values, attn_mask=visible[None, None], scale=scale, enable_gqa=True
         )  # [1, num_heads, count, head_dim]
-        outs.append(out[0].transpose(0, 1))
+        out[start:end].copy_(res[0].transpose(0, 1))
         start = end
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, num_tokens_device):
+def _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, num_tokens_device, out):
     t = q.shape[0]
     real = torch.arange(t, device=q.device) < num_tokens_device
     seq = torch.where(real, seq_ids, k_cache.shape[0] - 1)
     pos = torch.where(real, positions, 0)
     k_cache[seq, pos] = k
     v_cache[seq, pos] = v
-    out = _gathered_attention(q, k_cache, v_cache, seq, pos, scale)  # no host read inside a graph
-    return torch.where(real[:, None, None], out, 0.0).to(q.dtype)
+    if _use_triton(q):  # the kernel reads the real count on the device and zeroes pad rows itself
+        from .triton_attention import cached_attention
+
+        cached_attention(q, k_cache, v_cache, seq, pos, scale, out, num_real=num_tokens_device)
+        return
+    res = _gathered_attention(q, k_cache, v_cache, seq, pos, scale)  # no host read inside a graph
+    out.copy_(torch.where(real[:, None, None], res, 0.0))
 
 
 @llama_attention.register_fake
-def _(q, k, v, k_cache, v_cache, positions, seq_ids, scale):
+def _(q, k, v, k_cache, v_cache, positions, seq_ids, scale, out):
     # Without this, seq_ids (read by nothing but this op) keeps a symbolic size of its own and a
     # traced graph shows two dynamic dims where there is one, num_tokens.
     torch._check(seq_ids.shape[0] == q.shape[0])
-    return torch.empty_like(q)
 
 
 class RMSNorm(nn.Module):
@@ -334,7 +394,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        out = llama_attention(q, k, v, self.k_cache, self.v_cache, positions, seq_ids, c.head_dim**-0.5)
+        out = torch.empty_like(q)  # written by the op: allocated in this piece, read in place by the next
+        llama_attention(q, k, v, self.k_cache, self.v_cache, positions, seq_ids, c.head_dim**-0.5, out)
         return self.o_proj(out.reshape(-1, c.num_heads * c.head_dim))
 
 
