@@ -3,6 +3,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Triton, in a folder of its own off the venv's import path (see the rule below).
+TRITON := $(VENV)/triton
+TRITON_STAMP := $(TRITON)/.installed
 
 .PHONY: demo test bench clean venv
 
@@ -24,6 +27,14 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# Triton 3.9.0 (the reference decoder's one-kernel attention on CUDA, piecewise.models.triton_attention),
+# for the tests that run that kernel under Triton's CPU interpreter (TRITON_INTERPRET=1) in a
+# subprocess with this folder on PYTHONPATH. Kept off the venv's path: with triton importable,
+# torch's CPU processes would import it (about 1.7 s a process) for nothing.
+$(TRITON_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps --target $(TRITON) triton==3.9.0
+	touch $(TRITON_STAMP)
+
 # Byte-compile the sources first: with PYTHONDONTWRITEBYTECODE set (as on the CI machines) every
 # process would otherwise compile them again (~0.4 s a process, and the tests start many).
 demo: $(STAMP)
@@ -31,7 +42,7 @@ demo: $(STAMP)
 	$(BIN)/piecewise demo
 
 # Two workers: the CI machine has two cores, and half the suite waits on subprocesses.
-test: $(STAMP)
+test: $(STAMP) $(TRITON_STAMP)
 	$(BIN)/python -m compileall -q src > /dev/null
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 

@@ -79,3 +79,29 @@ def test_graphs_captured_equals_sizes_times_capturable_pieces():
         cm = _compile(model, "piecewise")
         cm(torch.randn(3, 64, device="cuda"))
     assert cm.backend.graph_pool.total_pool_bytes > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_attention_equals_sdpa_on_cuda(dtype):
+    """The reference decoder's one-kernel attention (what its op runs on CUDA with Triton) against
+    the SDPA path, on a mixed batch of decode tokens and prefills, and under a device-side count."""
+    pytest.importorskip("triton")
+    from piecewise.models.llama import _gathered_attention
+    from piecewise.models.triton_attention import cached_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    slots, length, kv, heads, dim = 6, 300, 2, 8, 64
+    k_cache = torch.randn(slots, length, kv, dim, device="cuda", generator=gen).to(dtype)
+    v_cache = torch.randn(slots, length, kv, dim, device="cuda", generator=gen).to(dtype)
+    seq = torch.tensor([0] * 7 + [3] * 4 + [1, 2, 4, 5], device="cuda")
+    pos = torch.tensor(list(range(7)) + list(range(200, 204)) + [299, 0, 64, 128], device="cuda")
+    q = torch.randn(len(seq), heads, dim, device="cuda", generator=gen).to(dtype)
+    want = _gathered_attention(q.float(), k_cache.float(), v_cache.float(), seq, pos, dim**-0.5)
+    out = torch.full_like(q, float("nan"))
+    cached_attention(q, k_cache, v_cache, seq, pos, dim**-0.5, out)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+    out.fill_(float("nan"))
+    cached_attention(q, k_cache, v_cache, seq, pos, dim**-0.5, out, num_real=torch.tensor(9, device="cuda"))
+    torch.testing.assert_close(out[:9].float(), want[:9], rtol=tol, atol=tol)
+    assert (out[9:] == 0).all()
