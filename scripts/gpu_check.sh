@@ -2,7 +2,8 @@
 # GPU check, meant for a machine with one CUDA GPU and ~10 minutes: installs piecewise (torch from
 # the machine if present, else the pinned requirements), runs the GPU test tier, then a decode-step
 # benchmark (eager, torch.compile default and reduce-overhead, piecewise graphs, full graphs and Inductor
-# partitions), run twice in new processes: cold caches, then warm. Output under $OUT if set.
+# partitions), run twice in new processes: cold caches, then warm, then the per-piece host-cost table
+# (piecewise.bench.overhead). Output under $OUT if set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/piecewise-gpu-check}"
@@ -25,4 +26,6 @@ rc=${PIPESTATUS[0]}
 # Wall limits per phase keep the whole check inside a 10-minute lease (16-core H200 machine).
 timeout ${BENCH_COLD_S:-210} $PY -m piecewise.bench.gpu_decode --json "$OUT/gpu_bench_cold.json" 2>&1 | tee "$OUT/gpu_bench_cold.md"
 timeout ${BENCH_WARM_S:-90} $PY -m piecewise.bench.gpu_decode --json "$OUT/gpu_bench_warm.json" 2>&1 | tee "$OUT/gpu_bench_warm.md"
+# Host cost per piece against its floor (16 layers whose splitting op only clones; #15 item 1).
+timeout ${BENCH_OVERHEAD_S:-60} $PY -m piecewise.bench.overhead --json "$OUT/gpu_overhead.json" 2>&1 | tee "$OUT/gpu_overhead.md"
 exit $rc

@@ -17,7 +17,9 @@ Each system times ``steps`` steps per batch size after 5 warm-up steps of that s
 on every step; the figure is the median wall time per step in microseconds, the device synchronized
 after each step. Prints a Markdown table and the first call's seconds (compile + capture); run it
 twice with the same ``TORCHINDUCTOR_CACHE_DIR`` and ``PIECEWISE_CACHE_DIR`` for cold and warm start.
-``--json PATH`` also writes the figures.
+``--json PATH`` also writes the figures; ``--attention sdpa|triton`` picks the reference decoder's
+attention kernel (default ``auto``: Triton on CUDA when it is installed). The host cost per piece
+has a benchmark of its own, `piecewise.bench.overhead`.
 """
 
 from __future__ import annotations
@@ -78,11 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--attention", default="auto", choices=("auto", "sdpa", "triton"),
+                    help="the reference decoder's attention kernel (PIECEWISE_LLAMA_ATTENTION): auto is Triton on CUDA "
+                         "when it is installed")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU decode benchmark needs one")
         return 1
-    from piecewise.models import LlamaConfig, LlamaForCausalLM
+    from piecewise.models import LlamaConfig, LlamaForCausalLM, llama
+
+    llama._attention_impl = a.attention
 
     batches = tuple(int(b) for b in a.batches.split(","))
     systems = [s.strip() for s in a.systems.split(",")]
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         del fn, model
         torch.cuda.empty_cache()
     print(f"GPU decode step, {torch.cuda.get_device_name(0)}, torch {torch.__version__}, reference Llama "
-          f"{cfg.num_layers} layers hidden {cfg.hidden_size} bf16; median (p10-p90) of {a.steps} steps, us\n")
+          f"{cfg.num_layers} layers hidden {cfg.hidden_size} bf16, attention {a.attention}; median (p10-p90) of {a.steps} steps, us\n")
     print("| batch | " + " | ".join(systems) + " | " + " | ".join(f"{s} / eager" for s in systems[1:]) + " |")
     print("|---:|" + "---:|" * (2 * len(systems) - 1))
     for b in batches:
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 def _write_json(path: str, a: argparse.Namespace, first_s: dict[str, float],
                 rows: dict[str, dict[int, tuple[float, float, float]]]) -> None:
     with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": a.layers,
+        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": a.layers, "attention": a.attention,
                    "steps": a.steps, "first_call_s": first_s,
                    "step_us": {s: {str(b): v for b, v in r.items()} for s, r in rows.items()}}, f, indent=1)
 
