@@ -429,17 +429,24 @@ def _fake_inputs(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     return fake_mode, [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
 
+#: Placeholder meta key under which ``trace`` records the Dynamo source name of each graph input
+#: (``"L['x']"``, ``"L['self']._modules['lin']._parameters['weight']"``): piecewise's own capture
+#: (``fullgraph_capture``) leaves no ``grapharg`` on its placeholders, while its output graph keeps
+#: the sources by input identity.
+SOURCE_META = "piecewise_source"
+
+
 def _argument_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
-    """Indices of the graph inputs that are the traced forward's own arguments, not module state:
-    from Dynamo's source of each placeholder (``L['x']`` against ``L['self']._parameters[...]``),
-    or, where the capture left none, from the placeholder's name, which Dynamo derives from it
-    (``l_x_`` against ``l_self_modules_lin_parameters_weight_``). An argument whose own name
-    starts with ``self_`` is missed (not checked per call), never the reverse."""
+    """Indices of the graph inputs that are the traced forward's own arguments, not module state,
+    decided by each placeholder's Dynamo source: ``L['x']`` or ``L['self_scale']`` is an argument,
+    ``L['self']...`` (a parameter, buffer or tensor attribute) is state. The source is Dynamo's
+    ``grapharg`` where present (the ``torch.compile`` entry), else what ``trace`` recorded under
+    `SOURCE_META`. An input with neither is taken for an argument: checking its address on every
+    call can refuse a moved weight (``CaptureError``), never replay over a stale one."""
     out = []
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
-        name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
-        state = name.startswith("L['self']") if isinstance(name, str) else node.name.startswith("l_self_")
-        if not state:
+        name = node.meta.get(SOURCE_META) or getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+        if not (isinstance(name, str) and name.startswith("L['self']")):
             out.append(i)
     return tuple(out)
 

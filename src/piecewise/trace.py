@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from piecewise.backend import SOURCE_META
+
 __all__ = ["Trace", "trace", "rebuild"]
 
 log = logging.getLogger("piecewise")
@@ -349,6 +351,20 @@ def _fingerprint_covers(path: str, root: torch.nn.Module, by_value: bool = False
     return held and isinstance(getattr(value, field, None), _PRIMITIVE_VALUES)
 
 
+def _record_sources(gm: torch.fx.GraphModule, example_inputs: Any, id_to_sources: dict[int, list[Any]]) -> None:
+    """Put each graph input's Dynamo source name on its placeholder (`backend.SOURCE_META`), so the
+    backend can tell the forward's arguments from module state by where Dynamo read them, not by
+    the placeholder's name (an argument named ``self_scale`` becomes ``l_self_scale_``, much like
+    the attribute ``self.scale``). Dynamo keys the sources by the identity of the real inputs; a
+    tensor reached both ways (a buffer passed as an argument too) is recorded as the argument."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        sources = id_to_sources.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if sources:
+            names = [s.name for s in sources]
+            node.meta[SOURCE_META] = next((n for n in names if not n.startswith("L['self']")), names[0])
+
+
 def _fingerprinted(g: Any, root: torch.nn.Module) -> bool:
     """Guards that `piecewise.warmstart.module_fingerprint` already decides, left out of the saved
     guards because they are most of them (per parameter, per submodule) and rebuilding them costs
@@ -406,6 +422,7 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[
         bi = out.backend_input
         if bi is None:
             raise torch._dynamo.exc.Unsupported("forward produced no graph (no tensor operations)")
+        _record_sources(bi.graph_module, bi.example_inputs, gco.output_graph.tracked_fakes_id_to_source)
         ctx = TracingContext(bi.fake_mode)
         ctx.tensor_to_context = bi.tensor_to_context
         ctx.traced_code = list(gco.traced_code)

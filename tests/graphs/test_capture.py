@@ -573,6 +573,35 @@ def test_an_argument_without_a_token_dim_passed_anew_is_refused_not_read_stale(t
             cm(torch.randn(4, 8), torch.randn(8))
 
 
+class _SelfNamedArgument(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(8))
+        self.shift = torch.randn(8)  # a plain tensor attribute: module state, not an argument
+
+    def forward(self, x, self_scale):  # an argument whose name Dynamo turns into l_self_scale_
+        return x.sin() * self_scale + self.bias + self.shift
+
+
+def test_an_argument_named_like_module_state_is_still_checked_on_every_call(tmp_path):
+    """Arguments are told from module state by Dynamo's source (``L['self_scale']`` against
+    ``L['self']...``), not by the placeholder's name: before, ``self_scale`` was taken for state,
+    its address went unchecked, and a new tensor there replayed the capture's values."""
+    model = _SelfNamedArgument()
+    with fake_cpu_platform():
+        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=16, cudagraph_capture_sizes=[4, 8],
+                                                 cache_dir=str(tmp_path)), dynamic_arg_dims={"x": 0})
+        scale = torch.randn(8)
+        gen = torch.Generator().manual_seed(8)
+        for n in (4, 3, 8):
+            scale.copy_(torch.randn(8, generator=gen))
+            x = torch.randn(n, 8, generator=gen)
+            torch.testing.assert_close(cm(x, scale), model(x, scale), rtol=1e-5, atol=1e-5)
+        assert counters.by_tag[cm.tag].graph_replays > 0
+        with pytest.raises(pw.CaptureError, match="graph input .* argument of the forward without a token dim"):
+            cm(torch.randn(4, 8), torch.randn(8))
+
+
 def _hf_out(o):
     return o.logits if hasattr(o, "logits") else o.last_hidden_state
 
