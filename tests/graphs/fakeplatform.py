@@ -4,7 +4,10 @@ It keeps CUDA-graph semantics where they matter for correctness: `capture` runs 
 and then poisons its outputs with NaN (a real capture computes nothing), and `replay` reruns the
 callable on the *captured argument objects* and writes the results into the *captured output
 tensors*. So a replay reads whatever now lies at the captured input addresses, and a caller that
-forgot to refresh a static buffer, or read outputs before a replay, sees wrong numbers.
+forgot to refresh a static buffer, or read outputs before a replay, sees wrong numbers. Like
+CUDA, a capture refuses a host read of a tensor value (``int(t)``, ``t.item()``), splitting ops
+captured inside a full graph included (`strict_capture`, on by default): on a GPU such a read fails
+the capture, and a replay could not repeat it anyway.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from piecewise.forward_context import forward_context
 from piecewise.graphs.platform import GraphPlatform, register_platform, resolve_platform
@@ -41,6 +46,23 @@ def _nbytes(out):
     return 0
 
 
+_HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.ops.aten.is_nonzero.default)
+
+
+class _NoHostReads(TorchDispatchMode):
+    """A real capture cannot read a device value on the host (``int(t)``, ``t.item()``: CUDA
+    refuses a sync while capturing, and a value read then would be frozen into the graph)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_READS:
+            raise RuntimeError("host read of a tensor value during graph capture")
+        opdef = _maybe_get_opdef(func)
+        if opdef is not None:  # a custom op (a splitting op in a full graph): check what its body runs
+            with _NoHostReads():
+                return opdef._init_fn(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 class FakeGraph:
     def __init__(self):
         self.fn = self.args = self.output = None
@@ -54,8 +76,10 @@ class FakeGraph:
 class FakePlatform(GraphPlatform):
     name = "fake"
 
-    def __init__(self, fail_sizes=(), oom_sizes=()):
+    def __init__(self, fail_sizes=(), oom_sizes=(), strict_capture=True):
         self.fail_sizes, self.oom_sizes = set(fail_sizes), set(oom_sizes)
+        #: refuse host reads of tensor values during capture, as CUDA does
+        self.strict_capture = strict_capture
         self.graphs: list[FakeGraph] = []
         self.captured_sizes: list[int] = []
         self.flushes = 0
@@ -76,7 +100,8 @@ class FakePlatform(GraphPlatform):
         if size in self.fail_sizes:
             raise RuntimeError(f"fake capture failure at size {size}")
         self.flushes += bool(flush)
-        out = fn(*args)
+        with _NoHostReads() if self.strict_capture else contextlib.nullcontext():
+            out = fn(*args)
         graph.fn, graph.args, graph.output = fn, args, out
         self.allocated += _nbytes(out)
         self.captured_sizes.append(size)

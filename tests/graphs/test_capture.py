@@ -549,6 +549,37 @@ def test_transformers_generate_replays_decode_graphs_and_equals_eager(tmp_path):
         assert len(entries) >= 3 and [e.size for e in entries if e.copied] == []
 
 
+@pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
+def test_transformers_generate_replays_full_decode_graphs(mode, tmp_path, caplog):
+    """With full graphs the decode step's attention op is captured inside the graph, where no
+    device value may be read on the host (the strict platform refuses it, as CUDA does). Before,
+    the op read the last write position per layer, every full capture failed, each size was
+    dropped with a warning and decode ran without graphs."""
+    from piecewise.models import hf
+
+    hf.register_hf_attention()
+    model = hf.tiny_llama(num_layers=2)
+    ref = hf.tiny_llama(num_layers=2, attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(11)
+    with fake_cpu_platform(strict_capture=True), caplog.at_level("WARNING", logger="piecewise"):
+        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_seqs=4, max_model_len=64, cudagraph_mode=mode,
+                                                 cache_dir=str(tmp_path)))
+        with counters.expect(recompiles=0):
+            for batch, length, new in ((2, 5, 6), (4, 3, 5), (1, 9, 4), (3, 6, 3)):
+                ids = torch.randint(1, 256, (batch, length), generator=gen)
+                mask = torch.ones(batch, length, dtype=torch.long)
+                if batch > 1:
+                    mask[-1, :2] = 0  # a left-padded row
+                kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0)
+                assert torch.equal(cm.generate(ids, **kw), ref.generate(ids, **kw)), (batch, length, new)
+        decode = counters.by_tag[f"{cm.tag}_generate_decode"]
+        assert decode.graphs_captured > 0 and decode.graph_replays > 0
+        step = cm._route.compiled[(True, True)]
+        full = step.backend.result.graphs.dispatcher.full
+        assert sorted(e.size for e in full.entries.values() if e.phase is Phase.CAPTURED) == [1, 2, 4]
+        assert "capture" not in caplog.text.lower(), caplog.text
+
+
 class _ArgumentRead(torch.nn.Module):
     def forward(self, x, scale):  # x: [tokens, 8]; scale: [8], read in place by the graphs
         return x.sin() * scale

@@ -27,17 +27,25 @@ through the same compiled step.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError, InputError
+from ..forward_context import RuntimeMode, current_forward_context
+from ..graphs.dispatch import batch_hint
 from ..ops import splitting_op
 
 __all__ = ["CACHED_ATTENTION_OP", "GenerationRoute", "GenerationStep", "hf_cached_attention", "generation_route"]
 
 CACHED_ATTENTION_OP = "piecewise_models::hf_cached_attention"
+
+#: Cache positions the running generation step attends over (``write_pos[-1] + 1``), set by
+#: `GenerationRoute` around each step from what it knows on the host (see `hf_cached_attention`).
+_attend_length: contextvars.ContextVar[int | None] = contextvars.ContextVar("piecewise_attend_length", default=None)
 
 
 @splitting_op(CACHED_ATTENTION_OP, mutates_args=("k_cache", "v_cache", "out"))
@@ -70,14 +78,22 @@ def hf_cached_attention(
             under piecewise CUDA graphs the next piece reads it in place instead of copying the
             op's result into its graph's input buffer on every replay.
 
-    Attends over cache positions ``0..write_pos[-1]`` only (one host read of the last position),
-    so a decode step's cost follows the sequence, not the cache size. The mask comes built: per
-    layer the op only writes the cache and attends.
+    Attends over cache positions ``0..write_pos[-1]`` only, so a decode step's cost follows the
+    sequence, not the cache size. That length is a host value: the `GenerationRoute` running the
+    step knows it (`attend_length`), so there is no device read and no device sync per layer;
+    called outside a route, the op reads ``write_pos[-1]`` (one host read). Inside a full graph
+    (`RuntimeMode.FULL`: captured once, replayed at every later position) no host value may be
+    read or frozen, so it attends over the whole cache and the mask alone bounds each token. The
+    mask comes built: per layer the op only writes the cache and attends.
     """
     batch, heads, _, _ = query.shape
     k_cache[:batch].index_copy_(2, write_pos, key.to(k_cache.dtype))
     v_cache[:batch].index_copy_(2, write_pos, value.to(v_cache.dtype))
-    length = int(write_pos[-1]) + 1
+    ctx = current_forward_context()
+    if ctx is not None and ctx.runtime_mode == RuntimeMode.FULL:
+        length = k_cache.shape[2]
+    else:
+        length = _attend_length.get() or int(write_pos[-1]) + 1
     res = torch.nn.functional.scaled_dot_product_attention(
         query, k_cache[:batch, :, :length].to(query.dtype), v_cache[:batch, :, :length].to(query.dtype),
         attn_mask=mask[:, None, :, :length], scale=scaling, enable_gqa=heads != key.shape[1],
@@ -259,12 +275,18 @@ class GenerationRoute:
         # ``model.forward`` is the compiled model while generate() runs: take it off for the step, so
         # the trace (and its saved guards) see the model as it is outside generate().
         assigned = self.model.__dict__.pop("forward", None)
+        decode_step = getattr(compiled, "pw_decode_step", False)
+        length = _attend_length.set(total)
         try:
             # the decode step with graphs takes every slot's row of kv_valid (a static shape and
-            # address: its batch is then the only dynamic size); the general step the batch's rows
-            logits = compiled(input_ids, position_ids.expand(batch, new).contiguous(), write_pos,
-                              valid if getattr(compiled, "pw_decode_step", False) else valid[:batch])
+            # address: its batch is then the only dynamic size); the general step the batch's rows.
+            # Its batches are uniform decode (one new token a row), so `full_and_piecewise` replays
+            # full graphs there.
+            with batch_hint(uniform_decode=True) if decode_step else contextlib.nullcontext():
+                logits = compiled(input_ids, position_ids.expand(batch, new).contiguous(), write_pos,
+                                  valid if decode_step else valid[:batch])
         finally:
+            _attend_length.reset(length)
             if assigned is not None:
                 self.model.__dict__["forward"] = assigned
         self._past = total if cache is not None else 0
