@@ -5,7 +5,8 @@ forward of a model whose splitting op does almost nothing, so what piecewise gra
 full graph is host work between the pieces:
 
 * the model: `layers` x (``Linear(hidden, hidden)`` then the splitting op
-  ``piecewise_bench::clone_split``, which returns a clone of its input), 16 layers of hidden 1024
+  ``piecewise_bench::clone_split``, which copies its input into an output buffer the piece before
+  allocated, as the attention ops do, so no piece copies an input before its replay), 16 layers of hidden 1024
   in bf16 by default, one call of `batch` tokens;
 * systems: ``eager``, ``piecewise graphs`` (each piece replayed as a graph, the op eager in
   between) and ``piecewise full`` (the whole forward as one graph), each timed as the median of
@@ -13,7 +14,7 @@ full graph is host work between the pieces:
 * per layer: ``(piecewise graphs - piecewise full) / layers``;
 * the floor items, measured in the same process: the replay of a graph holding one kernel, one
   eager op (``x + 1``), an empty custom op through ``torch.ops`` and the splitting op itself
-  (custom op and its clone); ``floor = replay + splitting op``, what one piece cannot avoid.
+  (custom op and its copy); ``floor = replay + splitting op``, what one piece cannot avoid.
   ``ours = per layer - floor`` is what piecewise itself costs per piece (#15's target: <= 5 us on
   the H200, where the floor measured about 22 us a layer).
 
@@ -40,15 +41,18 @@ __all__ = ["CloneSplitModel", "measure", "main"]
 CLONE_SPLIT_OP = "piecewise_bench::clone_split"
 
 
-@splitting_op(CLONE_SPLIT_OP)
-def clone_split(x: torch.Tensor) -> torch.Tensor:
-    """The trivial splitting op: a clone of `x` (any shape and dtype)."""
-    return x.clone()
+@splitting_op(CLONE_SPLIT_OP, mutates_args=("out",))
+def clone_split(x: torch.Tensor, out: torch.Tensor) -> None:
+    """The trivial splitting op: copies `x` (any shape and dtype) into `out` (same shape and
+    dtype). The result goes into a buffer the caller allocated in the piece before, as with the
+    attention ops: a fresh result would be copied into the next graph's input before every replay,
+    a cost the attention ops do not pay."""
+    out.copy_(x)
 
 
 @clone_split.register_fake
-def _(x):
-    return torch.empty_like(x)
+def _(x, out):
+    return None
 
 
 @torch.library.custom_op("piecewise_bench::noop", mutates_args=())
@@ -71,7 +75,9 @@ class CloneSplitModel(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for lin in self.linears:
-            x = clone_split(lin(x))
+            h = lin(x)
+            x = torch.empty_like(h)  # allocated in the piece: a fixed address in its graph
+            clone_split(h, x)
         return x
 
 
@@ -118,6 +124,7 @@ def measure(device: str = "cuda", *, layers: int = 16, hidden: int = 1024, batch
             del cm
     floor: dict[str, tuple[float, float, float]] = {}
     y = torch.zeros(batch, hidden, device=device, dtype=dtype)
+    y_out = torch.empty_like(y)
     if platform is not None:
         from ..forward_context import BatchDescriptor, ForwardContext, RuntimeMode, set_forward_context
 
@@ -128,13 +135,14 @@ def measure(device: str = "cuda", *, layers: int = 16, hidden: int = 1024, batch
         floor["graph replay (1 kernel)"] = _median_us(graph.replay, sync, steps, rounds)
     floor["eager op (x + 1)"] = _median_us(lambda: y + 1, sync, steps, rounds)
     floor["empty custom op (torch.ops)"] = _median_us(lambda: torch.ops.piecewise_bench.noop(y), sync, steps, rounds)
-    floor["splitting op (custom op + clone)"] = _median_us(lambda: torch.ops.piecewise_bench.clone_split(y), sync, steps, rounds)
+    floor["splitting op (custom op + copy)"] = _median_us(lambda: torch.ops.piecewise_bench.clone_split(y, y_out), sync, steps,
+                                                           rounds)
     out: dict[str, Any] = {"device": device, "layers": layers, "hidden": hidden, "batch": batch, "dtype": str(dtype),
                            "steps": steps, "rounds": rounds, "systems": systems, "floor_items": floor,
                            "per_layer_us": None, "floor_us": None, "ours_us": None}
     if "piecewise graphs" in systems:
         per_layer = (systems["piecewise graphs"][0] - systems["piecewise full"][0]) / layers
-        floor_us = floor["graph replay (1 kernel)"][0] + floor["splitting op (custom op + clone)"][0]
+        floor_us = floor["graph replay (1 kernel)"][0] + floor["splitting op (custom op + copy)"][0]
         out.update(per_layer_us=per_layer, floor_us=floor_us, ours_us=per_layer - floor_us)
     return out
 
