@@ -19,7 +19,9 @@ token count, and it has two dynamic sizes. Where graphs apply (a device with a g
 logits) go to a second compiled step, tag ``<tag>_generate_decode``, traced once on the first
 decode step: only the batch dim is dynamic, and it is the token count its graphs are captured and
 padded for, capture sizes up to `max_num_seqs` (a pad row writes the cache at a slot no real row
-of the call uses, and attends only its own position). So generation shows two traces on a GPU
+of the call uses, and attends its own position plus whatever positions earlier calls left valid in
+that slot; no real row reads a pad row's slot). Its batches are uniform decode, so
+``full_and_piecewise`` replays full graphs there. So generation shows two traces on a GPU
 (prefill, decode) and one on the CPU. Left padding works through the 2-D ``attention_mask``: pad
 positions are never attended by real tokens. ``use_cache=False`` runs the whole sequence each step
 through the same compiled step.
