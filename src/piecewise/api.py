@@ -49,7 +49,7 @@ from .warmstart import StartSubject, WarmStart
 from .trace import Trace, trace
 from .config import CompilationConfig
 from .counters import counters
-from .errors import CompileError, ConfigError, GuardFailureError, InputError
+from .errors import CompileError, ConfigError, GuardFailureError, InputError, PiecewiseError
 from .inputs import CallSignature
 from .registry import Registration, Registry
 from .tags import current_registry, release_tag, unique_tag
@@ -329,6 +329,9 @@ class CompiledModel:
                 "dynamic (remove it)"
             ) from e
         except torch._dynamo.exc.Unsupported as e:
+            own = _own_error_raised_in_trace(e)
+            if own is not None:
+                raise own from e
             raise CompileError(
                 f"[{self.tag}] {type(self.module).__name__}.forward cannot be captured as one graph: "
                 f"{str(e).splitlines()[0]}. Make the code traceable or register the op as a splitting op"
@@ -336,6 +339,31 @@ class CompiledModel:
 
     def __repr__(self) -> str:
         return f"CompiledModel({type(self.module).__name__}, tag={self.tag!r}, mode={self.config.mode!r}, backend={self.config.backend!r})"
+
+
+def _own_error_raised_in_trace(e: BaseException) -> PiecewiseError | None:
+    """A piecewise error that traced code raised (a refusal inside a splitting op's caller, such as
+    an attention function meeting an argument it cannot honour), rebuilt from Dynamo's record of
+    it: Dynamo reports such a ``raise`` as a graph break ("Observed exception") whose cause names
+    the exception and its arguments, not as the exception itself. None when the chain holds none."""
+    import ast
+    import re
+
+    from . import errors
+
+    seen = 0
+    x: BaseException | None = e
+    while x is not None and seen < 8:
+        m = re.match(r"raised exception (\w+)\((.*)\)\s*$", str(x), re.S)
+        cls = getattr(errors, m.group(1), None) if m else None
+        if isinstance(cls, type) and issubclass(cls, PiecewiseError):
+            try:
+                args = ast.literal_eval(f"({m.group(2)},)")
+            except (ValueError, SyntaxError):
+                args = (m.group(2),)
+            return cls(*args)
+        x, seen = x.__cause__ or x.__context__, seen + 1
+    return None
 
 
 def _caused_by(e: BaseException) -> str:

@@ -207,3 +207,75 @@ def test_generate_projects_only_the_last_position_and_other_calls_get_every_posi
     assert picked.shape == (2, 2, want.shape[-1])
     assert counters.by_tag[f"{compiled.tag}_generate_all_logits"].dynamo_traces == 1
     assert counters.by_tag[f"{compiled.tag}_generate"].dynamo_traces == 1 and counters.recompiles == 0
+
+
+def _tiny(cfg_cls, **extra):
+    from transformers import AutoModelForCausalLM
+
+    common = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=512,
+                  max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg_cls(**{**common, **extra}), attn_implementation="piecewise").eval()
+
+
+def test_a_sliding_window_in_the_config_is_refused_at_compile():
+    """Mistral and Phi3 carry the window in `sliding_window` without per-layer types: the cache
+    attends over every position, so tokens differed once a sequence passed the window."""
+    from transformers import MistralConfig, Phi3Config
+
+    for cls in (MistralConfig, Phi3Config):
+        with pytest.raises(pw.ConfigError, match="sliding window of 8 positions, below max_model_len=256"):
+            pw.compile(_tiny(cls, num_key_value_heads=2, sliding_window=8), _config())
+    # a window the cache never exceeds is full attention: served
+    pw.compile(_tiny(MistralConfig, num_key_value_heads=2, sliding_window=256), _config())
+
+
+@pytest.mark.parametrize("arch", ["stablelm", "diffllama"])
+def test_layers_that_miss_the_generation_cache_are_refused(arch):
+    """StableLM's decoder layers drop the attention keyword arguments (each step attended only to
+    its new token), DiffLlama attends twice a layer: the step must reach the cache once a layer."""
+    from transformers import DiffLlamaConfig, StableLmConfig
+
+    model = _tiny(StableLmConfig if arch == "stablelm" else DiffLlamaConfig, num_key_value_heads=2)
+    compiled = pw.compile(model, _config())
+    ids, mask = _prompts([4, 6])
+    with pytest.raises(pw.ConfigError, match=r"has 2 attention layers, but its step reached piecewise's generation KV cache "
+                                             r"[04] times"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+
+
+def test_what_the_cached_attention_cannot_honour_is_a_typed_error():
+    """Gemma2's logit soft-capping was ignored on the cached path (different tokens); a model whose
+    keys do not have the config's KV heads (JetMoE) crashed inside index_copy_. Both are refused
+    by name, as the error raised inside the trace, not Dynamo's 'Observed exception'."""
+    from transformers import Gemma2Config, JetMoeConfig
+
+    ids, mask = _prompts([5])
+    gemma = _tiny(Gemma2Config, num_key_value_heads=2, head_dim=16, layer_types=["full_attention"] * 2,
+                  attn_logit_softcapping=0.5)
+    with pytest.raises(pw.ConfigError, match="does not support 'softcap'"):
+        pw.compile(gemma, _config()).generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+    jetmoe = _tiny(JetMoeConfig)
+    with pytest.raises(pw.ConfigError, match="keys of 32 heads .* KV cache 16 heads"):
+        pw.compile(jetmoe, _config()).generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+
+
+def test_inputs_embeds_and_a_reused_cache_are_typed_errors():
+    """A tensor in an unsupported argument raised 'Boolean value of Tensor is ambiguous'; tokens fed
+    again on a cache the route already filled (past_key_values from an earlier generate(),
+    assisted or prompt-lookup decoding) were written twice and gave other tokens."""
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config())
+    ids, mask = _prompts([6])
+    with pytest.raises(pw.InputError, match="inputs_embeds"):
+        compiled(input_ids=ids, inputs_embeds=torch.randn(1, 6, 64), attention_mask=mask)
+    first = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
+    more = torch.cat([first.sequences, torch.tensor([[11, 12, 13]])], 1)
+    with pytest.raises(pw.InputError, match="already holds 8 positions"):
+        compiled.generate(more, attention_mask=torch.ones_like(more), past_key_values=first.past_key_values,
+                          do_sample=False, max_new_tokens=3)
+    repeating = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])  # n-grams for prompt lookup to propose
+    with pytest.raises(pw.InputError, match="prompt-lookup"):
+        compiled.generate(repeating, attention_mask=torch.ones_like(repeating), do_sample=False, max_new_tokens=12,
+                          prompt_lookup_num_tokens=3)

@@ -129,13 +129,14 @@ def piecewise_attention_forward(
     """
     if dropout:
         raise ConfigError(f"piecewise attention got dropout={dropout}; it is inference-only, call model.eval()")
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ConfigError(f"piecewise attention does not support {name!r} ({type(module).__name__}); use "
+                              "attn_implementation='sdpa'")
     if kwargs.get("pw_k_caches") is not None:  # inside a generation step: the piecewise-owned KV cache
         from .hf_generate import cached_attention_forward
 
         return cached_attention_forward(module, query, key, value, scaling, kwargs)
-    for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise ConfigError(f"piecewise attention does not support {name!r}; use attn_implementation='sdpa'")
     # Same precedence as transformers' SDPA path: the call's flag, else the module's, else causal.
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # A materialised mask already holds causality (and padding); SDPA must not apply it twice.

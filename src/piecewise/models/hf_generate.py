@@ -183,9 +183,15 @@ def cached_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     layer = module.layer_idx
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     batch, heads, new_tokens, _ = query.shape
+    k_cache, v_cache = kwargs["pw_k_caches"][layer], kwargs["pw_v_caches"][layer]
+    if (key.shape[1], key.shape[-1], value.shape[1], value.shape[-1]) != (k_cache.shape[1], k_cache.shape[-1], v_cache.shape[1],
+                                                                          v_cache.shape[-1]):
+        raise ConfigError(f"{type(module).__name__} layer {layer} attends with keys of {key.shape[1]} heads x {key.shape[-1]} "
+                          f"and values of {value.shape[1]} x {value.shape[-1]}, but its config gives the KV cache "
+                          f"{k_cache.shape[1]} heads x {k_cache.shape[-1]} (num_key_value_heads, head_dim); piecewise's "
+                          "generation cache cannot hold this architecture: generate with attn_implementation='sdpa'")
     out = query.new_empty(batch, new_tokens, heads, value.shape[-1])  # written by the op, read in place next
-    hf_cached_attention(query, key, value, kwargs["pw_k_caches"][layer], kwargs["pw_v_caches"][layer],
-                        kwargs["pw_write_pos"], kwargs["pw_mask"], scale, out)
+    hf_cached_attention(query, key, value, k_cache, v_cache, kwargs["pw_write_pos"], kwargs["pw_mask"], scale, out)
     return out, None
 
 
@@ -221,12 +227,14 @@ class GenerationRoute:
         self.kv_valid: torch.Tensor | None = None
         self._cache_ref: Any = None
         self._past = 0
+        #: ids of the compiled steps whose layers were checked to reach the cache
+        self._verified: set[int] = set()
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         if not any(k in kwargs for k in _GENERATION_KWARGS):
             return NotImplemented
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        bad = [k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False)]
+        bad = [k for k in _UNSUPPORTED if kwargs.get(k) is not None and kwargs.get(k) is not False]
         if bad or input_ids is None or len(args) > 1:
             raise InputError(f"[{self.tag}] the compiled generation step takes input_ids (and attention_mask, position_ids, "
                              f"cache, use_cache, logits_to_keep); got {bad or 'positional arguments'}")
@@ -234,7 +242,17 @@ class GenerationRoute:
             raise InputError(f"[{self.tag}] input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         batch, new = input_ids.shape
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        continuing = cache is not None and self._is_current(cache)
         past = self._past_for(cache)
+        if continuing and past > 0 and new > 1:
+            # generate() feeds one token a row after the prompt; more tokens on a cache object this
+            # route already filled means transformers re-feeds or verifies tokens (past_key_values
+            # reused from an earlier generate(), assisted or prompt-lookup decoding, chunked
+            # prefill), which needs a cache that rolls back: piecewise's would write them twice
+            raise InputError(f"[{self.tag}] {new} new tokens on a generation cache that already holds {past} positions: "
+                             "continuing from an earlier generate()'s past_key_values, assisted / prompt-lookup "
+                             "decoding and chunked prefill are not supported by piecewise's generation KV cache; pass "
+                             "the whole sequence to generate() without past_key_values, or use attn_implementation='sdpa'")
         if batch > self.max_num_seqs:
             raise InputError(f"[{self.tag}] {batch} sequences in one call, above max_num_seqs={self.max_num_seqs}; raise "
                              "CompilationConfig(max_num_seqs=...) or generate in smaller batches")
@@ -291,6 +309,9 @@ class GenerationRoute:
             _attend_length.reset(length)
             if assigned is not None:
                 self.model.__dict__["forward"] = assigned
+        if id(compiled) not in self._verified:
+            self._check_layers_reach_cache(compiled)
+            self._verified.add(id(compiled))
         self._past = total if cache is not None else 0
         if not last_only and isinstance(keep, int) and keep > 0:
             logits = logits[:, -keep:]
@@ -322,6 +343,34 @@ class GenerationRoute:
             raise InputError(f"[{self.tag}] prompt of {ids.shape[1]} tokens plus {total - ids.shape[1]} new ones needs {total} "
                              f"positions, above max_model_len={self.max_model_len}; raise CompilationConfig(max_model_len=...) "
                              "or shorten the prompt / max_new_tokens")
+
+    def _check_layers_reach_cache(self, compiled: Any) -> None:
+        """After a step's first call (its trace or warm start): every attention layer must have
+        reached `hf_cached_attention`. A decoder layer that does not pass its keyword arguments on
+        to attention (StableLM, Nemotron) or an attention class that bypasses transformers'
+        attention interface (DiffLlama) never sees the step's cache, and would attend only to the
+        new tokens.
+
+        Raises:
+            ConfigError: naming the model and how many layers reached the cache.
+        """
+        result = getattr(getattr(compiled, "backend", None), "result", None)
+        if result is None:
+            return
+        op = getattr(torch.ops.piecewise_models, "hf_cached_attention").default
+        reached = sum(1 for item in result.split.items for n in item.graph.graph.nodes
+                      if n.op == "call_function" and n.target is op)
+        layers = self.step.num_layers if self.step is not None else reached
+        if reached != layers:
+            raise ConfigError(f"[{self.tag}] {type(self.model).__name__} has {layers} attention layers, but its step reached "
+                              f"piecewise's generation KV cache {reached} times, where it holds one attention call a layer "
+                              "(its decoder layers do not pass attention keyword arguments through, its attention does not "
+                              "use transformers' attention interface, or it attends twice a layer); generate with "
+                              "attn_implementation='sdpa'")
+
+    def _is_current(self, cache: Any) -> bool:
+        """Whether `cache` is the cache object of the generation this route served last."""
+        return self._cache_ref is not None and self._cache_ref() is cache
 
     def _past_for(self, cache: Any) -> int:
         """Positions already in the piecewise cache for this sequence: 0 for a new cache object (a
@@ -426,6 +475,13 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
     if impl != "piecewise":
         return None
     layer_types = set(getattr(cfg, "layer_types", None) or ())
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and not layer_types and getattr(cfg, "use_sliding_window", True) and window < config.max_model_len:
+        # Mistral, Phi3 and kin: a window in the config and no per-layer types
+        raise ConfigError(f"{type(module).__name__} attends within a sliding window of {window} positions, below "
+                          f"max_model_len={config.max_model_len}; the piecewise generation KV cache implements full causal "
+                          "attention only. Compile it with attn_implementation='sdpa' and mode='none', lower "
+                          f"CompilationConfig(max_model_len=...) to at most {window}, or generate without piecewise")
     if layer_types - {"full_attention"} or getattr(cfg, "use_sliding_window", False):
         raise ConfigError(f"{type(module).__name__} has attention layers of types {sorted(layer_types) or ['sliding window']}; "
                           "the piecewise generation KV cache implements full causal attention only. Compile it with "
