@@ -131,6 +131,9 @@ def test_limits_are_typed_errors_before_any_compile():
     ids, mask = _prompts([3, 3, 3])
     with pytest.raises(pw.InputError, match="max_num_seqs=2"):
         compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+    ids, mask = _prompts([3, 3])
+    with pytest.raises(pw.InputError, match=r"6 sequences .*\(2 prompts x 3 beams or returned sequences\), above max_num_seqs=2"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2, num_beams=3)
     ids, mask = _prompts([30])
     with pytest.raises(pw.InputError, match="max_model_len=32"):
         compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5)

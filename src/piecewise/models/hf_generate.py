@@ -72,7 +72,7 @@ def hf_cached_attention(
             at rows ``0..batch-1``, positions `write_pos`.
         write_pos: ``[new_tokens]`` int64, the cache position of each new token (the same for every
             row: rows are left-padded to one length), increasing.
-        mask: ``[batch, new_tokens, max_model_len]`` bool, which cache positions each token sees
+        mask: ``[batch, 1, new_tokens, max_model_len]`` bool, which cache positions each token sees
             (`attention_mask_for_step`: one mask a step, shared by every layer).
         scaling: multiplier of ``q @ k^T``.
         out: ``[batch, new_tokens, num_heads, value_head_dim]`` in the query dtype, overwritten.
@@ -88,23 +88,31 @@ def hf_cached_attention(
     read or frozen, so it attends over the whole cache and the mask alone bounds each token. The
     mask comes built: per layer the op only writes the cache and attends.
     """
-    batch, heads, _, _ = query.shape
-    k_cache[:batch].index_copy_(2, write_pos, key.to(k_cache.dtype))
-    v_cache[:batch].index_copy_(2, write_pos, value.to(v_cache.dtype))
+    batch, heads = query.shape[0], query.shape[1]
+    # Few dispatcher calls: on a GPU between piecewise graphs each one is host time the device
+    # waits on. Views are taken once, dtype conversions only where the dtypes differ.
+    keys, values = k_cache, v_cache
+    if batch != k_cache.shape[0]:
+        keys, values = k_cache[:batch], v_cache[:batch]
+    keys.index_copy_(2, write_pos, key if key.dtype == k_cache.dtype else key.to(k_cache.dtype))
+    values.index_copy_(2, write_pos, value if value.dtype == v_cache.dtype else value.to(v_cache.dtype))
     ctx = current_forward_context()
     if ctx is not None and ctx.runtime_mode == RuntimeMode.FULL:
         length = k_cache.shape[2]
     else:
         length = _attend_length.get() or int(write_pos[-1]) + 1
-    res = torch.nn.functional.scaled_dot_product_attention(
-        query, k_cache[:batch, :, :length].to(query.dtype), v_cache[:batch, :, :length].to(query.dtype),
-        attn_mask=mask[:, None, :, :length], scale=scaling, enable_gqa=heads != key.shape[1],
-    )
+    if length != k_cache.shape[2]:
+        keys, values, mask = keys[:, :, :length], values[:, :, :length], mask[..., :length]
+    if keys.dtype != query.dtype:
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
+    res = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                           enable_gqa=heads != key.shape[1])
     out.copy_(res.transpose(1, 2))
 
 
 def attention_mask_for_step(write_pos: torch.Tensor, kv_valid: torch.Tensor) -> torch.Tensor:
-    """``[batch, new_tokens, max_model_len]`` bool: token ``t`` sees cache positions
+    """``[batch, 1, new_tokens, max_model_len]`` bool (the head dim broadcast, as SDPA takes it, so
+    no layer reshapes it): token ``t`` sees cache positions
     ``j <= write_pos[t]`` that are valid in `kv_valid` (``[batch, max_model_len]`` bool, False at
     pad positions); a pad token also sees itself, so no row is fully masked (a fully masked row
     would be NaN, and a NaN value poisons every row that weights it by zero). Built once a step,
@@ -112,7 +120,7 @@ def attention_mask_for_step(write_pos: torch.Tensor, kv_valid: torch.Tensor) -> 
     j = torch.arange(kv_valid.shape[1], device=kv_valid.device)
     causal = j[None, :] <= write_pos[:, None]  # [new_tokens, max_model_len]
     self_pos = j[None, :] == write_pos[:, None]
-    return causal[None] & (kv_valid[:, None, :] | self_pos[None])
+    return (causal[None] & (kv_valid[:, None, :] | self_pos[None])).unsqueeze(1)
 
 
 @hf_cached_attention.register_fake
@@ -336,8 +344,16 @@ class GenerationRoute:
         gen_cfg = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
         new = kwargs.get("max_new_tokens", getattr(gen_cfg, "max_new_tokens", None) if "max_length" not in kwargs else None)
         total = ids.shape[1] + new if new is not None else kwargs.get("max_length", getattr(gen_cfg, "max_length", None))
-        if ids.shape[0] > self.max_num_seqs:
-            raise InputError(f"[{self.tag}] {ids.shape[0]} sequences in one generate() call, above max_num_seqs="
+        def setting(name: str) -> int:
+            value = kwargs.get(name, getattr(gen_cfg, name, None))
+            return value if isinstance(value, int) and value > 1 else 1
+
+        # generate() runs a row per beam, or per returned sequence when sampling: the cache holds rows
+        widen = max(setting("num_beams"), setting("num_return_sequences"))
+        rows = ids.shape[0] * widen
+        if rows > self.max_num_seqs:
+            how = f" ({ids.shape[0]} prompts x {widen} beams or returned sequences)" if widen > 1 else ""
+            raise InputError(f"[{self.tag}] {rows} sequences in one generate() call{how}, above max_num_seqs="
                              f"{self.max_num_seqs}; raise CompilationConfig(max_num_seqs=...) or generate in smaller batches")
         if total is not None and total > self.max_model_len:
             raise InputError(f"[{self.tag}] prompt of {ids.shape[1]} tokens plus {total - ids.shape[1]} new ones needs {total} "
