@@ -302,3 +302,23 @@ def test_the_build_id_follows_the_package_sources(tmp_path):
     assert source_digest(copy) == source_digest(src)
     (copy / "graphs" / "install.py").write_text((copy / "graphs" / "install.py").read_text() + "\n# changed\n")
     assert source_digest(copy) != source_digest(src)
+
+
+class _RaisesOwnConfigError(torch.nn.Module):
+    class ConfigError(Exception):  # the user's own class, named like piecewise's
+        pass
+
+    def forward(self, x):
+        if x.shape[1] == 3:
+            raise self.ConfigError("the user's refusal")
+        return x + 1
+
+
+def test_an_exception_raised_in_user_code_during_the_trace_is_not_taken_for_piecewise_own():
+    """Piecewise rebuilds its own errors raised inside traced piecewise code (an attention function's
+    refusal) from Dynamo's 'Observed exception'; a user's class of the same name raised in the
+    user's forward stays a graph break (CompileError), never a piecewise ConfigError."""
+    cm = pw.compile(_RaisesOwnConfigError(), pw.CompilationConfig(backend="eager"), dynamic_arg_dims={"x": 0})
+    with pytest.raises(pw.CompileError, match="cannot be captured as one graph") as info:
+        cm(torch.ones(2, 3))
+    assert not isinstance(info.value, pw.ConfigError)

@@ -165,6 +165,10 @@ class CompiledModel:
                 "(call piecewise.models.hf.register_hf_attention() first), so its attention reaches the KV cache piecewise "
                 f"owns; {type(self.module).__name__} uses {getattr(getattr(self.module, 'config', None), '_attn_implementation', '?')!r}")
         self._route.check_generate(args, kwargs)
+        with self._route.generating():
+            return self._generate_with_forward(generate, args, kwargs)
+
+    def _generate_with_forward(self, generate: Any, args: tuple, kwargs: dict) -> Any:
         had = "forward" in self.module.__dict__
         previous = self.module.__dict__.get("forward")
         self.module.forward = self
@@ -342,21 +346,27 @@ class CompiledModel:
 
 
 def _own_error_raised_in_trace(e: BaseException) -> PiecewiseError | None:
-    """A piecewise error that traced code raised (a refusal inside a splitting op's caller, such as
-    an attention function meeting an argument it cannot honour), rebuilt from Dynamo's record of
-    it: Dynamo reports such a ``raise`` as a graph break ("Observed exception") whose cause names
-    the exception and its arguments, not as the exception itself. None when the chain holds none."""
+    """A piecewise error that piecewise's own traced code raised (a refusal in an attention
+    function that meets an argument it cannot honour), rebuilt from Dynamo's record of it: Dynamo
+    reports such a ``raise`` as a graph break ("Observed exception") whose cause names the
+    exception class and its arguments, and the frame that raised it, not as the exception itself.
+    Only a raise in a frame of the piecewise package is rebuilt, so a user's exception class of the
+    same name stays the user's (reported as the graph break). None when the chain holds none."""
     import ast
+    import os
     import re
 
     from . import errors
 
+    package = os.path.dirname(os.path.abspath(errors.__file__)) + os.sep
     seen = 0
     x: BaseException | None = e
     while x is not None and seen < 8:
         m = re.match(r"raised exception (\w+)\((.*)\)\s*$", str(x), re.S)
         cls = getattr(errors, m.group(1), None) if m else None
-        if isinstance(cls, type) and issubclass(cls, PiecewiseError):
+        stack = getattr(x, "real_stack", None) or ()
+        ours = bool(stack) and os.path.abspath(stack[-1].filename).startswith(package)
+        if ours and isinstance(cls, type) and issubclass(cls, PiecewiseError):
             try:
                 args = ast.literal_eval(f"({m.group(2)},)")
             except (ValueError, SyntaxError):

@@ -230,8 +230,22 @@ def test_a_sliding_window_in_the_config_is_refused_at_compile():
     for cls in (MistralConfig, Phi3Config):
         with pytest.raises(pw.ConfigError, match="sliding window of 8 positions, below max_model_len=256"):
             pw.compile(_tiny(cls, num_key_value_heads=2, sliding_window=8), _config())
-    # a window the cache never exceeds is full attention: served
+    # a window the cache never exceeds is full attention: served (the cache is capped by the model's
+    # max_position_embeddings too), and so are per-layer types that are all full attention
     pw.compile(_tiny(MistralConfig, num_key_value_heads=2, sliding_window=256), _config())
+    pw.compile(_tiny(MistralConfig, num_key_value_heads=2, sliding_window=100, max_position_embeddings=64),
+               _config(max_model_len=1024))
+    from transformers import Qwen2Config
+
+    qwen = _tiny(Qwen2Config, num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert set(qwen.config.layer_types) == {"full_attention"}
+    compiled = pw.compile(qwen, _config())
+    ids, mask = _prompts([12, 9])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=4)
+    with torch.no_grad():
+        ref = _tiny(Qwen2Config, num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+        ref.set_attn_implementation("sdpa")
+        assert torch.equal(compiled.generate(ids, **kw), ref.generate(ids, **kw))
 
 
 @pytest.mark.parametrize("arch", ["stablelm", "diffllama"])
@@ -279,6 +293,49 @@ def test_inputs_embeds_and_a_reused_cache_are_typed_errors():
         compiled.generate(more, attention_mask=torch.ones_like(more), past_key_values=first.past_key_values,
                           do_sample=False, max_new_tokens=3)
     repeating = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])  # n-grams for prompt lookup to propose
-    with pytest.raises(pw.InputError, match="prompt-lookup"):
-        compiled.generate(repeating, attention_mask=torch.ones_like(repeating), do_sample=False, max_new_tokens=12,
-                          prompt_lookup_num_tokens=3)
+    kw = dict(attention_mask=torch.ones_like(repeating), do_sample=False, max_new_tokens=12, prompt_lookup_num_tokens=3)
+    with pytest.raises(pw.InputError, match="prompt_lookup_num_tokens"):
+        compiled.generate(repeating, **kw)
+    # the forward-assigned path: the first step holds the prompt and the candidates, then
+    # transformers crops the rejected ones from its cache, which piecewise's cannot follow
+    model.forward = compiled
+    try:
+        with pytest.raises(pw.InputError, match="crop the KV cache"):
+            model.generate(repeating, **kw)
+    finally:
+        del model.forward
+
+
+def test_a_generation_nested_in_another_on_the_same_model_is_refused():
+    """A streamer that generates with the same compiled model: the inner generation overwrote the
+    outer one's cache rows and the outer one went on with wrong tokens."""
+    from transformers.generation.streamers import BaseStreamer
+
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config())
+    ids, mask = _prompts([5])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=4)
+
+    class Nested(BaseStreamer):
+        def __init__(self, run):
+            self.run, self.puts = run, 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 3:  # the prompt, the first token, then between two decode steps
+                self.run()
+
+        def end(self):
+            pass
+
+    with pytest.raises(pw.InputError, match="while another generate\(\) on it runs"):
+        compiled.generate(ids, streamer=Nested(lambda: compiled.generate(ids, **kw)), **kw)
+    model.forward = compiled
+    try:
+        with pytest.raises(pw.InputError, match="a generation resumed after another generation"):
+            model.generate(ids, streamer=Nested(lambda: model.generate(ids, **kw)), **kw)
+    finally:
+        del model.forward
+    # the route is free again afterwards, and right
+    with torch.no_grad():
+        assert torch.equal(compiled.generate(ids, **kw), _eager("llama", ids, mask, max_new_tokens=4))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import weakref
 from typing import Any
 
@@ -237,6 +238,12 @@ class GenerationRoute:
         self._past = 0
         #: ids of the compiled steps whose layers were checked to reach the cache
         self._verified: set[int] = set()
+        #: cache objects of generations this route served (a served one coming back after another
+        #: generation started is an interleaved or nested generate(): its rows were overwritten)
+        self._served: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: one step at a time, one compiled generate() at a time: the KV cache holds one generation
+        self._step_lock = threading.Lock()
+        self._generate_lock = threading.Lock()
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         if not any(k in kwargs for k in _GENERATION_KWARGS):
@@ -248,9 +255,25 @@ class GenerationRoute:
                              f"cache, use_cache, logits_to_keep); got {bad or 'positional arguments'}")
         if input_ids.dim() != 2:
             raise InputError(f"[{self.tag}] input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        batch, new = input_ids.shape
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         continuing = cache is not None and self._is_current(cache)
+        if cache is not None and not continuing and self._was_served(cache):
+            raise InputError(f"[{self.tag}] a generation resumed after another generation on this compiled model started "
+                             "(generate() nested in a streamer or stopping criterion, interleaved from two threads, or "
+                             "past_key_values of an earlier generate() passed back): piecewise's KV cache holds one generation "
+                             "at a time and its rows were overwritten. Finish one generate() before the next, compile a "
+                             "second model (another tag) for concurrent generations, or pass the whole sequence without "
+                             "past_key_values")
+        if not self._step_lock.acquire(blocking=False):
+            raise InputError(f"[{self.tag}] two generation steps at once on this compiled model (two threads): piecewise's "
+                             "KV cache holds one generation at a time; compile a second model (another tag) per thread")
+        try:
+            return self._step(args, kwargs, input_ids, cache, continuing)
+        finally:
+            self._step_lock.release()
+
+    def _step(self, args: tuple, kwargs: dict, input_ids: torch.Tensor, cache: Any, continuing: bool) -> Any:
+        batch, new = input_ids.shape
         past = self._past_for(cache)
         if continuing and past > 0 and new > 1:
             # generate() feeds one token a row after the prompt; more tokens on a cache object this
@@ -332,16 +355,40 @@ class GenerationRoute:
             out["cache"] = cache
         return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
 
+    @contextlib.contextmanager
+    def generating(self) -> Any:
+        """Hold the route for one compiled ``generate()`` call (`piecewise.CompiledModel.generate`).
+
+        Raises:
+            InputError: another ``generate()`` on this compiled model is running (nested in a
+                streamer or stopping criterion, or in another thread): the KV cache holds one
+                generation at a time.
+        """
+        if not self._generate_lock.acquire(blocking=False):
+            raise InputError(f"[{self.tag}] generate() on this compiled model while another generate() on it runs (nested in a "
+                             "streamer or stopping criterion, or from another thread): piecewise's KV cache holds one "
+                             "generation at a time; compile a second model (another tag) for concurrent generations")
+        try:
+            yield
+        finally:
+            self._generate_lock.release()
+
     def check_generate(self, args: tuple, kwargs: dict) -> None:
         """Before ``generate()`` runs: the batch and prompt plus new tokens fit the KV cache.
 
         Raises:
             InputError: naming `max_num_seqs` or `max_model_len` (the same limits a step checks).
         """
+        gen_cfg = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        speculative = [k for k in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+                       if kwargs.get(k, getattr(gen_cfg, k, None)) is not None]
+        if speculative:
+            raise InputError(f"[{self.tag}] generate({speculative[0]}=...) verifies candidate tokens and rolls the KV cache "
+                             "back; piecewise's generation KV cache does not roll back. Generate without it, or use "
+                             "attn_implementation='sdpa'")
         ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return
-        gen_cfg = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
         new = kwargs.get("max_new_tokens", getattr(gen_cfg, "max_new_tokens", None) if "max_length" not in kwargs else None)
         total = ids.shape[1] + new if new is not None else kwargs.get("max_length", getattr(gen_cfg, "max_length", None))
         def setting(name: str) -> int:
@@ -384,6 +431,12 @@ class GenerationRoute:
                               "use transformers' attention interface, or it attends twice a layer); generate with "
                               "attn_implementation='sdpa'")
 
+    def _was_served(self, cache: Any) -> bool:
+        try:
+            return cache in self._served
+        except TypeError:  # not weak-referenceable: not tracked
+            return False
+
     def _is_current(self, cache: Any) -> bool:
         """Whether `cache` is the cache object of the generation this route served last."""
         return self._cache_ref is not None and self._cache_ref() is cache
@@ -422,9 +475,20 @@ class GenerationRoute:
                         t[:n].copy_(t[:n].index_select(0, rows))
                 route.kv_valid[:n].copy_(route.kv_valid[:n].index_select(0, rows))
 
+        def crop(max_length: int) -> None:
+            # assisted and prompt-lookup decoding drop rejected candidate tokens from the cache
+            raise InputError(f"[{route.tag}] generate() asked to crop the KV cache to {max_length} positions (assisted or "
+                             "prompt-lookup decoding): piecewise's generation KV cache does not roll back; generate "
+                             "without assistant_model / prompt_lookup_num_tokens, or use attn_implementation='sdpa'")
+
         try:
             cache.reorder_cache = reorder_cache  # an instance attribute wins over the class's method
+            cache.crop = crop
         except (AttributeError, TypeError):
+            pass
+        try:
+            self._served.add(cache)
+        except TypeError:  # not weak-referenceable
             pass
 
     def _graphs_apply(self, device: torch.device) -> bool:
@@ -490,16 +554,23 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
     impl = getattr(cfg, "_attn_implementation", None)
     if impl != "piecewise":
         return None
+    # Sliding windows: per layer in `layer_types` (Gemma2/3, Qwen2 with max_window_layers), or one
+    # window for every layer in `sliding_window` without layer types (Mistral, Phi3). A window
+    # that covers every position the cache can hold is full attention.
     layer_types = set(getattr(cfg, "layer_types", None) or ())
     window = getattr(cfg, "sliding_window", None)
-    if window is not None and not layer_types and getattr(cfg, "use_sliding_window", True) and window < config.max_model_len:
-        # Mistral, Phi3 and kin: a window in the config and no per-layer types
-        raise ConfigError(f"{type(module).__name__} attends within a sliding window of {window} positions, below "
-                          f"max_model_len={config.max_model_len}; the piecewise generation KV cache implements full causal "
-                          "attention only. Compile it with attn_implementation='sdpa' and mode='none', lower "
-                          f"CompilationConfig(max_model_len=...) to at most {window}, or generate without piecewise")
-    if layer_types - {"full_attention"} or getattr(cfg, "use_sliding_window", False):
-        raise ConfigError(f"{type(module).__name__} has attention layers of types {sorted(layer_types) or ['sliding window']}; "
-                          "the piecewise generation KV cache implements full causal attention only. Compile it with "
-                          "attn_implementation='sdpa' and mode='none', or without generate()")
+    max_len = min(config.max_model_len, getattr(cfg, "max_position_embeddings", None) or config.max_model_len)
+    if layer_types:
+        sliding = "sliding_attention" in layer_types
+        other = sorted(layer_types - {"full_attention", "sliding_attention"})
+    else:
+        sliding = window is not None and getattr(cfg, "use_sliding_window", True)
+        other = []
+    if other or (sliding and not (isinstance(window, int) and window >= max_len)):
+        what = (f"attention layers of types {other}" if other
+                else f"a sliding window of {window} positions, below max_model_len={max_len}")
+        raise ConfigError(f"{type(module).__name__} has {what}; the piecewise generation KV "
+                          "cache implements full causal attention only. Compile it with attn_implementation='sdpa' and "
+                          "mode='none', lower CompilationConfig(max_model_len=...) to the window, or generate without "
+                          "piecewise")
     return GenerationRoute(module, config, tag)
