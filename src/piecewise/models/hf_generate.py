@@ -294,6 +294,7 @@ class GenerationRoute:
         keep = kwargs.get("logits_to_keep", 0)
         last_only = isinstance(keep, int) and not isinstance(keep, bool) and keep == 1
         compiled = self._ensure_compiled(input_ids.device, last_only, decode=new == 1 and last_only)
+        decode_step = compiled is self.compiled.get((True, True))  # the decode step with graphs
         total = past + new
         valid = self.kv_valid
         mask = kwargs.get("attention_mask")
@@ -315,7 +316,7 @@ class GenerationRoute:
         else:
             raise InputError(f"[{self.tag}] attention_mask of shape {tuple(mask.shape)} does not cover the {total} positions "
                              "of this sequence")
-        if getattr(compiled, "pw_decode_step", False):  # graphs read it in place: one tensor, filled
+        if decode_step:  # graphs read it in place: one tensor, filled
             write_pos = self.decode_write_pos
             write_pos.fill_(past)
         else:
@@ -326,7 +327,6 @@ class GenerationRoute:
         # ``model.forward`` is the compiled model while generate() runs: take it off for the step, so
         # the trace (and its saved guards) see the model as it is outside generate().
         assigned = self.model.__dict__.pop("forward", None)
-        decode_step = getattr(compiled, "pw_decode_step", False)
         length = _attend_length.set(total)
         try:
             # the decode step with graphs takes every slot's row of kv_valid (a static shape and
@@ -528,7 +528,6 @@ class GenerationRoute:
                                          compile_ranges=(), max_num_tokens=self.max_num_seqs,
                                          cudagraph_capture_sizes=sizes)
             compiled = pw_compile(step, config, dynamic_arg_dims={"input_ids": 0, "position_ids": 0})
-            compiled.pw_decode_step = True
             self.decode_write_pos = torch.zeros(1, dtype=torch.long, device=device)
             self.compiled[key] = compiled
             return compiled
