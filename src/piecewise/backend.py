@@ -76,6 +76,8 @@ class PiecewiseBackend:
         self.timings: dict[str, float] = {}
         self.graph_code = ""
         self._mixing: list[str] = []
+        #: graph inputs that are the forward's own arguments (`_argument_inputs`), set by the trace
+        self._argument_inputs: tuple[int, ...] = ()
         self._cache_meta: dict[str, Any] | None = None
 
     # what tests and tools read, from the compiled result
@@ -277,7 +279,7 @@ class PiecewiseBackend:
         with fake_mode, enable_python_dispatcher(), torch.no_grad():
             fake_outputs = _Propagate(split.split_module).run(*fake_inputs)
         progress.close()
-        graph_plan = (plan_graphs(fake_inputs, fake_outputs, symbol, self._mixing, getattr(self, "_argument_inputs", ()))
+        graph_plan = (plan_graphs(fake_inputs, fake_outputs, symbol, self._mixing, self._argument_inputs)
                       if sym_index is not None else None)
         # under "backed" dynamic shapes sizes 0 and 1 are refused by the call signature already
         lo = 2 if self.config.dynamic_shapes == "backed" else 1

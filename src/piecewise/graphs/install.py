@@ -258,6 +258,6 @@ def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[
     dispatcher = GraphDispatcher(stitched, pool, sizes, static_inputs=[StaticInput(i, d) for i, d in plan.static_inputs],
                                  output_dims=list(plan.output_dims), cudagraph_mode=mode, max_num_tokens=config.max_num_tokens,
                                  tag=tag, token_count_inputs=plan.token_count_inputs,
-                                 argument_inputs=getattr(plan, "argument_inputs", ()))
+                                 argument_inputs=plan.argument_inputs)
     dispatcher.wrappers = wrappers
     return GraphInstall(dispatcher, pool, wrappers)
