@@ -438,6 +438,12 @@ def _fake_inputs(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
 SOURCE_META = "piecewise_source"
 
 
+def is_state_source(name: str) -> bool:
+    """Whether a Dynamo source name is module state (``L['self']...``: a parameter, buffer or
+    tensor attribute), not an argument of the forward (``L['x']``, ``L['self_scale']``)."""
+    return name.startswith("L['self']")
+
+
 def _argument_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
     """Indices of the graph inputs that are the traced forward's own arguments, not module state,
     decided by each placeholder's Dynamo source: ``L['x']`` or ``L['self_scale']`` is an argument,
@@ -448,7 +454,7 @@ def _argument_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
     out = []
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         name = node.meta.get(SOURCE_META) or getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
-        if not (isinstance(name, str) and name.startswith("L['self']")):
+        if not (isinstance(name, str) and is_state_source(name)):
             out.append(i)
     return tuple(out)
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from piecewise.backend import SOURCE_META
+from .backend import SOURCE_META, is_state_source
 
 __all__ = ["Trace", "trace", "rebuild"]
 
@@ -362,7 +362,7 @@ def _record_sources(gm: torch.fx.GraphModule, example_inputs: Any, id_to_sources
         sources = id_to_sources.get(id(value)) if isinstance(value, torch.Tensor) else None
         if sources:
             names = [s.name for s in sources]
-            node.meta[SOURCE_META] = next((n for n in names if not n.startswith("L['self']")), names[0])
+            node.meta[SOURCE_META] = next((n for n in names if not is_state_source(n)), names[0])
 
 
 def _fingerprinted(g: Any, root: torch.nn.Module) -> bool:

@@ -226,7 +226,8 @@ class GenerationRoute:
         self.config = config
         self.tag = tag
         self.max_num_seqs = config.max_num_seqs
-        self.max_model_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", config.max_model_len))
+        #: cache positions: the config's, capped by the model's own position limit
+        self.max_model_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", None) or config.max_model_len)
         #: the step generate() uses (last position's logits); its caches are every step's caches
         self.step: GenerationStep | None = None
         #: compiled steps by (whether they return only the last position's logits, whether they are the
@@ -268,11 +269,11 @@ class GenerationRoute:
             raise InputError(f"[{self.tag}] two generation steps at once on this compiled model (two threads): piecewise's "
                              "KV cache holds one generation at a time; compile a second model (another tag) per thread")
         try:
-            return self._step(args, kwargs, input_ids, cache, continuing)
+            return self._step(kwargs, input_ids, cache, continuing)
         finally:
             self._step_lock.release()
 
-    def _step(self, args: tuple, kwargs: dict, input_ids: torch.Tensor, cache: Any, continuing: bool) -> Any:
+    def _step(self, kwargs: dict, input_ids: torch.Tensor, cache: Any, continuing: bool) -> Any:
         batch, new = input_ids.shape
         past = self._past_for(cache)
         if continuing and past > 0 and new > 1:
@@ -420,10 +421,10 @@ class GenerationRoute:
         result = getattr(getattr(compiled, "backend", None), "result", None)
         if result is None:
             return
-        op = getattr(torch.ops.piecewise_models, "hf_cached_attention").default
+        op = torch.ops.piecewise_models.hf_cached_attention.default
         reached = sum(1 for item in result.split.items for n in item.graph.graph.nodes
                       if n.op == "call_function" and n.target is op)
-        layers = self.step.num_layers if self.step is not None else reached
+        layers = self.step.num_layers
         if reached != layers:
             raise ConfigError(f"[{self.tag}] {type(self.model).__name__} has {layers} attention layers, but its step reached "
                               f"piecewise's generation KV cache {reached} times, where it holds one attention call a layer "
@@ -447,21 +448,21 @@ class GenerationRoute:
         if cache is None:
             self._cache_ref = None
             return 0
-        try:
-            same = self._cache_ref is not None and self._cache_ref() is cache
-            ref = weakref.ref(cache)
-        except TypeError:  # not weak-referenceable: compare identity through a strong reference
-            same = self._cache_ref is not None and self._cache_ref() is cache
-            ref = lambda: cache  # noqa: E731
-        if not same:
+        if not self._is_current(cache):
+            try:
+                ref = weakref.ref(cache)
+            except TypeError:  # not weak-referenceable: keep it through a strong reference
+                ref = lambda: cache  # noqa: E731
             self._cache_ref, self._past = ref, 0
-            self._follow_reorders(cache)
+            self._adopt(cache)
         return self._past
 
-    def _follow_reorders(self, cache: Any) -> None:
-        """Beam search reorders the cache object's rows between steps (``cache.reorder_cache(beam_idx)``);
-        the rows that matter are in the piecewise cache, so reorder those (every layer's first
-        ``len(beam_idx)`` rows, and their padding mask) in place, where the graphs read them."""
+    def _adopt(self, cache: Any) -> None:
+        """Take a new generation's cache object: beam search reorders its rows between steps
+        (``cache.reorder_cache(beam_idx)``) and the rows that matter are in the piecewise cache, so
+        reorder those (every layer's first ``len(beam_idx)`` rows, and their padding mask) in place,
+        where the graphs read them; a crop (assisted decoding) is refused; and the object is
+        remembered as served (`_was_served`)."""
         route = self
 
         def reorder_cache(beam_idx: torch.Tensor) -> None:
@@ -557,8 +558,8 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
     # window for every layer in `sliding_window` without layer types (Mistral, Phi3). A window
     # that covers every position the cache can hold is full attention.
     layer_types = set(getattr(cfg, "layer_types", None) or ())
-    window = getattr(cfg, "sliding_window", None)
-    max_len = min(config.max_model_len, getattr(cfg, "max_position_embeddings", None) or config.max_model_len)
+    route = GenerationRoute(module, config, tag)
+    window, max_len = getattr(cfg, "sliding_window", None), route.max_model_len
     if layer_types:
         sliding = "sliding_attention" in layer_types
         other = sorted(layer_types - {"full_attention", "sliding_attention"})
@@ -572,4 +573,4 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
                           "cache implements full causal attention only. Compile it with attn_implementation='sdpa' and "
                           "mode='none', lower CompilationConfig(max_model_len=...) to the window, or generate without "
                           "piecewise")
-    return GenerationRoute(module, config, tag)
+    return route
