@@ -165,3 +165,37 @@ def test_partition_worker_counts_no_recompiles_and_the_strategy_table_compares_i
     line = next(ln for ln in md.splitlines() if ln.startswith("| 2 | 15.00 |"))
     assert [c.strip() for c in line.strip("|").split("|")][2:4] == ["0.75", "1.50"]
     assert "partition / full in each interleaved round: batch 1: 0.90, 1.50" in md
+
+
+def test_paired_worker_times_both_systems_in_turns_and_the_table_shows_every_round():
+    r = _worker("--system", "paired", "--pair", "eager,piecewise-eager", "--layers", "1", "--steps", "6", "--batches",
+                "1,4", "--sizes", "4")
+    assert r["pair"] == ["eager", "piecewise-eager"] and set(r["ratio"]) == {"1", "4"}
+    for b in ("1", "4"):
+        base, pw = r["latency"]["eager"][b], r["latency"]["piecewise-eager"][b]
+        assert 0 < base["p10_us"] <= base["median_us"] <= base["p90_us"] and pw["median_us"] > 0
+        assert abs(r["ratio"][b] - pw["median_us"] / base["median_us"]) < 1e-9
+    bad = subprocess.run([sys.executable, "-m", "piecewise.bench.worker", "--system", "paired", "--pair", "full"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "--pair 'full': give two of" in bad.stderr
+
+    from piecewise.bench.suite import TARGETS
+
+    def rnd(full_us, pw_us):
+        lat = lambda us: {"1": {"median_us": us, "p10_us": us, "p90_us": us}}  # noqa: E731
+        return {"pair": ["full", "piecewise-inductor"], "latency": {"full": lat(full_us), "piecewise-inductor": lat(pw_us)},
+                "ratio": {"1": pw_us / full_us}}
+
+    lat = {"latency": {"1": {"median_us": 100.0, "p10_us": 90.0, "p90_us": 110.0, "median_runs_us": [100.0, 300.0]}},
+           "recompiles": 0}
+    res = {"machine": {"platform": "p", "cpus": 2, "processor": "x", "torch": "t", "threads": 2, "date": "d"},
+           "config": {"steady_layers": 2, "steps": 5, "sizes": 4, "steady_repeats": 3}, "targets": TARGETS,
+           "startup": {}, "steady": {s: lat for s in ("eager", "full", "piecewise-inductor", "piecewise-eager")},
+           "paired": [rnd(4000.0, 3000.0), rnd(2000.0, 1600.0), rnd(3000.0, 3300.0)]}
+    res["summary"] = summarize(res, BenchConfig(layers=(), batches=(1,)))
+    (p,) = res["summary"]["paired"]
+    assert p["ratio"]["runs"] == [0.75, 0.8, 1.1] and p["ratio"]["value"] == 0.8 and p["base_us"]["value"] == 3000.0
+    md = to_markdown(res)
+    line = next(ln for ln in md.splitlines() if ln.startswith("| 1 | 3000 (2000–4000) |"))
+    assert [c.strip() for c in line.strip("|").split("|")][3:] == ["0.80 (0.75–1.10)", "0.75, 0.80, 1.10"]
+    assert "measured paired" in md

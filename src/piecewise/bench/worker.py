@@ -8,6 +8,13 @@ Measured: time to first output (construction excluded), the compile phase inside
 directly, see `compile_phase`), the eager first call of the same model in the same process,
 steady-state step latency per batch size (median, p10, p90 over `--steps` calls with fresh
 inputs), recompiles across distinct sizes, and this process's peak resident memory.
+
+``--system paired`` measures a ratio instead of two absolute figures: both systems of ``--pair``
+(default ``full,piecewise-inductor``) are built in one process from the same weights and called in
+turns on the same fresh inputs, the order swapped every step (A B, B A, A B, ...), so a slow spell of
+the machine or of this process lands on both. Separate processes of one system differ by up to 2x in
+median step on a shared 2-core host (the `suite`'s steady-state rows show it); a ratio of figures
+from two processes carries that noise, a ratio of one paired process does not.
 """
 
 from __future__ import annotations
@@ -205,10 +212,62 @@ def replay_overhead(layers: int = 16, calls: int = 3000) -> dict:
             "p90_us_per_piece": (sorted(tw)[int(0.9 * calls)] - statistics.median(tg)) * 1e6}
 
 
+def _steady(fn, cfg, b: int, steps: int, gen: torch.Generator) -> dict[str, float]:
+    """Median/p10/p90 microseconds of ``fn`` over `steps` calls of `b` tokens, fresh inputs each call."""
+    xs = [_inputs(cfg, b, gen) for _ in range(steps + 5)]
+    for x in xs[:5]:
+        fn(*x)
+    times = []
+    for x in xs[5:]:
+        t0 = time.perf_counter()
+        fn(*x)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return _percentiles(times)
+
+
+def _percentiles(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
+    return {"median_us": statistics.median(times), "p10_us": times[len(times) // 10], "p90_us": times[(len(times) * 9) // 10]}
+
+
+def paired_steady(pair: tuple[str, str], layers: int, batches: list[int], steps: int, sizes: int) -> dict:
+    """Both systems of `pair` in this process, same weights (seed 0), called in turns on the same
+    fresh inputs with the order swapped every step; per batch size each one's median/p10/p90
+    microseconds and ``ratio`` = median of the second / median of the first. Before timing, each
+    system sees every size 1..`sizes` once (its compiles and captures happen there)."""
+    gen = torch.Generator().manual_seed(0)
+    fns = []
+    for system in pair:
+        cfg, model = _model(layers)
+        fns.append(_compiled(system, model, max(64, sizes)))
+    for n in range(1, max(sizes, max(batches)) + 1):
+        x = _inputs(cfg, n, gen)
+        for fn in fns:
+            fn(*x)
+    lat: dict[str, dict[int, dict[str, float]]] = {s: {} for s in pair}
+    ratio = {}
+    for b in batches:
+        xs = [_inputs(cfg, b, gen) for _ in range(steps + 5)]
+        for x in xs[:5]:
+            for fn in fns:
+                fn(*x)
+        times: list[list[float]] = [[], []]
+        for i, x in enumerate(xs[5:]):
+            for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+                t0 = time.perf_counter()
+                fns[k](*x)
+                times[k].append((time.perf_counter() - t0) * 1e6)
+        for k, system in enumerate(pair):
+            lat[system][b] = _percentiles(times[k])
+        ratio[b] = lat[pair[1]][b]["median_us"] / lat[pair[0]][b]["median_us"]
+    return {"system": "paired", "pair": list(pair), "layers": layers, "steps": steps, "latency": lat, "ratio": ratio}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--system", required=True, choices=["eager", "full", "piecewise-inductor", "piecewise-partition", "piecewise-eager", "dispatch",
-                                                        "replay"])
+    systems = ["eager", "full", "piecewise-inductor", "piecewise-partition", "piecewise-eager"]
+    ap.add_argument("--system", required=True, choices=[*systems, "dispatch", "replay", "paired"])
+    ap.add_argument("--pair", default="full,piecewise-inductor", help="with --system paired: baseline,system")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--steps", type=int, default=0, help="steady-state steps per batch size (0: skip)")
@@ -220,6 +279,13 @@ def main() -> int:
         return 0
     if args.system == "replay":
         print(json.dumps(replay_overhead()))
+        return 0
+    if args.system == "paired":
+        pair = tuple(args.pair.split(","))
+        if len(pair) != 2 or not set(pair) <= set(systems):
+            ap.error(f"--pair {args.pair!r}: give two of {', '.join(systems)}, comma-separated")
+        print(json.dumps(paired_steady(pair, args.layers, [int(s) for s in args.batches.split(",")], args.steps or 200,
+                                       args.sizes)))
         return 0
     gen = torch.Generator().manual_seed(0)
     cfg, model = _model(args.layers)
@@ -254,16 +320,7 @@ def main() -> int:
     if args.steps:
         lat = {}
         for b in [int(s) for s in args.batches.split(",")]:
-            xs = [_inputs(cfg, b, gen) for _ in range(args.steps + 5)]
-            for x in xs[:5]:
-                fn(*x)
-            times = []
-            for x in xs[5:]:
-                t0 = time.perf_counter()
-                fn(*x)
-                times.append((time.perf_counter() - t0) * 1e6)
-            times.sort()
-            lat[b] = {"median_us": statistics.median(times), "p10_us": times[len(times) // 10], "p90_us": times[(len(times) * 9) // 10]}
+            lat[b] = _steady(fn, cfg, b, args.steps, gen)
         out["latency"] = lat
     if args.system.startswith("piecewise"):
         out["pieces"] = len(fn.backend.split.items) if fn.backend else 0
