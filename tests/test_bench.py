@@ -115,20 +115,35 @@ def test_steady_state_of_several_processes_is_the_median_process_per_batch():
     assert out["recompiles"] == 1  # the worst process counts
 
 
-def test_generation_table_ratios_against_the_recipe_and_failures():
+def test_generation_table_ratios_against_the_recipe_per_round_and_failures():
     from piecewise.bench.generation import to_markdown
 
-    row = dict(batch=1, first_total_s=0.0, total_s=0.0, recompiles=0)
+    row = dict(batch=1, first_total_s=0.0, total_s=0.0, recompiles=0, ttft_s=0.2)
     results = [
-        {**row, "system": "hf_compile_static", "phase": "warm", "first_ttft_s": 8.0, "ttft_s": 0.2, "decode_tok_s": 10.0},
-        {**row, "system": "pw_generate", "phase": "warm", "first_ttft_s": 2.0, "ttft_s": 0.2, "decode_tok_s": 20.0},
+        {**row, "system": "hf_compile_static", "phase": "cold", "first_ttft_s": 60.0, "decode_tok_s": 10.0},
+        {**row, "system": "pw_generate", "phase": "cold", "first_ttft_s": 30.0, "decode_tok_s": 40.0},
         {"system": "pw_engine", "batch": 1, "phase": "cold", "error": ["timed out after 900 s"]},
     ]
+    for rnd, (recipe, pw, rate) in enumerate([(8.0, 2.0, 20.0), (10.0, 3.0, 10.0), (12.0, 6.0, 20.0)]):
+        results += [{**row, "system": "hf_compile_static", "phase": "warm", "round": rnd, "first_ttft_s": recipe, "decode_tok_s": 10.0},
+                    {**row, "system": "pw_generate", "phase": "warm", "round": rnd, "first_ttft_s": pw, "decode_tok_s": rate}]
+    results.append({"system": "paired", "batch": 1, "phase": "paired", "rounds": 2,
+                    "step_s": {"hf_compile_static": [0.05, 0.04], "pw_generate": [0.04, 0.04]},
+                    "ratio": {"pw_generate": [0.8, 1.0]}, "recompiles": {"hf_compile_static": 1, "pw_generate": 0}})
     md = to_markdown(results)
-    pw_row = next(line for line in md.splitlines() if "| pw_generate |" in line)
-    cells = [c.strip() for c in pw_row.strip("|").split("|")]
-    assert cells[6] == "0.50" and cells[7] == "0.25"  # half the recipe's step time, a quarter of its warm first token
-    assert "failed: timed out after 900 s" in md
+
+    def cells(prefix):
+        line = next(ln for ln in md.splitlines() if ln.startswith(prefix))
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    assert cells("| 1 | pw_generate | cold |")[6:8] == ["0.25", "-"]  # a quarter of the recipe's step, no warm ratio
+    warm = cells("| 1 | pw_generate | warm x3 |")
+    # per round against the recipe's process of the same round: TTFT 0.25, 0.30, 0.50; step 0.5, 1.0, 0.5
+    assert warm[3] == "3.00 (2.00–6.00, noisy)" and warm[6] == "0.50 (0.50–1.00)" and warm[7] == "0.30 (0.25–0.50)"
+    assert "| 1 | pw_engine | cold | failed: timed out after 900 s |" in md
+    paired = cells("| 1 | pw_generate | 40.0")
+    assert paired[3:] == ["0.90 (0.80–1.00)", "0.80, 1.00", "0"]
+    assert cells("| 1 | hf_compile_static | 45.0")[3:] == ["1", "-", "1"]
 
 
 def test_partition_worker_counts_no_recompiles_and_the_strategy_table_compares_it():
