@@ -142,9 +142,9 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
     return generate, recompiles
 
 
-def _decode_tok_s(ttft: float, total: float, new_tokens: int) -> float:
-    """Tokens after the first, per second, per sequence (NaN when no first token was seen)."""
-    return (new_tokens - 1) / (total - ttft) if ttft == ttft else float("nan")
+def _decode_step_s(ttft: float, total: float, new_tokens: int) -> float:
+    """Seconds per token after the first (one decode step; NaN when no first token was seen)."""
+    return (total - ttft) / (new_tokens - 1) if ttft == ttft else float("nan")
 
 
 def _run(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def _run(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_LE
     generate, recompiles = _build(system, batch, weights_root, prompt_len, new_tokens)
     (ttft1, total1), (ttft2, total2) = generate(0), generate(1)
     return {"system": system, "batch": batch, "first_ttft_s": ttft1, "first_total_s": total1, "ttft_s": ttft2,
-            "total_s": total2, "decode_tok_s": _decode_tok_s(ttft2, total2, new_tokens), "recompiles": recompiles()}
+            "total_s": total2, "decode_tok_s": 1 / _decode_step_s(ttft2, total2, new_tokens), "recompiles": recompiles()}
 
 
 def _paired(batch: int, weights_root: str, rounds: int, prompt_len: int = PROMPT_LEN,
@@ -170,7 +170,7 @@ def _paired(batch: int, weights_root: str, rounds: int, prompt_len: int = PROMPT
     for r in range(rounds):
         for s in systems[r % len(systems):] + systems[:r % len(systems)]:
             ttft, total = built[s][0](r + 1)
-            step[s].append((total - ttft) / (new_tokens - 1))
+            step[s].append(_decode_step_s(ttft, total, new_tokens))
     ratio = {s: [a / b for a, b in zip(step[s], step["hf_compile_static"])] for s in systems if s != "hf_compile_static"}
     return {"system": "paired", "batch": batch, "rounds": rounds, "step_s": step, "ratio": ratio,
             "recompiles": {s: rec() for s, (_, rec) in built.items()}}
