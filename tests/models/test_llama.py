@@ -175,11 +175,14 @@ def test_greedy_decode_rejects_requests_beyond_max_seq_len(model):
         greedy_decode(model, [[1] * 10], 8, max_seq_len=16)
 
 
-@pytest.mark.parametrize("order", ["runs", "interleaved"])
+@pytest.mark.parametrize("order", ["runs", "interleaved", "decode", "one_token"])
 def test_attention_by_sequence_equals_the_gathered_attention(order):
-    """The prefill path (one SDPA a run of one sequence's tokens over a view of its cache rows)
-    against the gather path, on a mixed batch: two prefills, decode tokens, a slot used twice."""
-    from piecewise.models.llama import _attention_by_sequence, _gathered_attention
+    """The by-sequence path (one SDPA a run of one sequence's tokens over a view of its cache rows:
+    no mask for a decode token, is_causal for a whole prompt, a mask otherwise) against the gather
+    path: a mixed batch (two prefills, one from position 0, decode tokens, a slot used twice) in
+    runs and shuffled, a decode batch (fewer tokens than slots: the CPU gathers the rows up to the
+    longest sequence only), and one token (the CPU's by-sequence path with no mask)."""
+    from piecewise.models.llama import _attention_by_sequence, _cached_attention, _gathered_attention
 
     g = torch.Generator().manual_seed(3)
     slots, length, kv, heads, dim = 5, 24, 2, 6, 16
@@ -190,12 +193,19 @@ def test_attention_by_sequence_equals_the_gathered_attention(order):
     if order == "interleaved":
         perm = torch.randperm(len(seq), generator=g).tolist()
         seq, pos = [seq[i] for i in perm], [pos[i] for i in perm]
+    elif order == "decode":
+        seq, pos = [1, 2, 4], [17, 3, 20]  # the CPU gathers rows 0..20 only
+    elif order == "one_token":
+        seq, pos = [2], [17]
     seq, pos = torch.tensor(seq), torch.tensor(pos)
     q = torch.randn(len(seq), heads, dim, generator=g)
-    assert q.shape[0] > slots  # the case that takes the by-sequence path
     want = _gathered_attention(q, k_cache, v_cache, seq, pos, 0.25)
     got = torch.full_like(q, float("nan"))  # every row must be written
-    _attention_by_sequence(q, k_cache, v_cache, seq, pos, 0.25, got)
+    if order in ("decode", "one_token"):
+        assert q.shape[0] <= slots  # a batch the gather path would take on a GPU without Triton
+        _cached_attention(q, k_cache, v_cache, seq, pos, 0.25, got)
+    else:
+        _attention_by_sequence(q, k_cache, v_cache, seq, pos, 0.25, got)
     torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
 
 
