@@ -23,10 +23,10 @@ B, H, KV, D, L, past = (8, 9, 3, 64, 192, 140) if sys.argv[1:] == ["smollm2"] el
 q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KV, 1, D), torch.randn(B, KV, 1, D)
 k_cache, v_cache = torch.randn(B, KV, L, D), torch.randn(B, KV, L, D)
 write_pos = torch.tensor([past])
-mask = hf_generate.attention_mask_for_step(write_pos, torch.ones(B, L, dtype=torch.bool))
+mask = hf_generate.attention_mask_for_step(write_pos, torch.ones(B, L, dtype=torch.bool), torch.float32)  # as a step builds it
 out = torch.empty(B, 1, H, D)
 body = hf_generate.hf_cached_attention._init_fn
-token = hf_generate._attend_length.set(past + 1)  # as GenerationRoute sets it around a step
+token = hf_generate._step_attention.set(hf_generate.StepAttention(past + 1))  # as GenerationRoute sets it (mask kept)
 rounds = []
 for _ in range(7):
     times = []

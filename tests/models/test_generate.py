@@ -115,6 +115,63 @@ def test_ten_generate_calls_of_any_batch_and_length_trace_once():
     assert step.dynamo_traces == 1 and counters.recompiles == 0
 
 
+@pytest.mark.parametrize("new", [1, 6])
+def test_the_cached_attention_equals_the_math_with_a_bool_an_additive_or_no_mask(new):
+    """`hf_cached_attention` with the bool mask, the additive mask a step builds, and no mask (what
+    a `GenerationRoute` asks for when no row is padded): a decode step (1 new token, 9 cached) and a
+    whole prompt from position 0 (6 tokens, plain causal) equal softmax attention written out."""
+    from piecewise.models.hf_generate import StepAttention, _step_attention, attention_mask_for_step, hf_cached_attention
+
+    g = torch.Generator().manual_seed(5)
+    batch, heads, kv, dim, max_len = 3, 4, 2, 8, 16
+    past = 0 if new > 1 else 9
+    write_pos = torch.arange(past, past + new)
+    valid = torch.ones(batch, max_len, dtype=torch.bool)
+    q = torch.randn(batch, heads, new, dim, generator=g)
+    k, v = torch.randn(batch, kv, new, dim, generator=g), torch.randn(batch, kv, new, dim, generator=g)
+    k0, v0 = torch.randn(batch, kv, max_len, dim, generator=g), torch.randn(batch, kv, max_len, dim, generator=g)
+    keys, values = k0.clone(), v0.clone()
+    keys[:, :, past:past + new], values[:, :, past:past + new] = k, v
+    keys, values = keys[:, :, :past + new].repeat_interleave(2, 1), values[:, :, :past + new].repeat_interleave(2, 1)
+    scores = (q @ keys.transpose(-1, -2)) * dim**-0.5
+    seen = torch.arange(past + new)[None, :] <= write_pos[:, None]
+    want = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(1, 2)
+    for mask_dtype, unmasked in ((None, False), (torch.float32, False), (torch.float32, True)):
+        k_cache, v_cache = k0.clone(), v0.clone()
+        out = torch.full((batch, new, heads, dim), float("nan"))
+        mask = attention_mask_for_step(write_pos, valid, mask_dtype)
+        assert mask.dtype == (mask_dtype or torch.bool)
+        token = _step_attention.set(StepAttention(past + new, unmasked))
+        try:
+            hf_cached_attention(q, k, v, k_cache, v_cache, write_pos, mask, dim**-0.5, out)
+        finally:
+            _step_attention.reset(token)
+        torch.testing.assert_close(out, want, rtol=1.3e-6, atol=1e-5, msg=f"mask {mask_dtype}, unmasked={unmasked}")
+
+
+def test_steps_attend_without_the_mask_only_when_no_row_is_padded(monkeypatch):
+    """A batch with no padding: every step (the prompt, plain causal, and each decode token) drops
+    the mask; a left-padded batch keeps it on every step. Tokens equal eager both ways."""
+    from piecewise.models import hf_generate
+
+    unmasked = []
+    real = hf_generate.StepAttention
+
+    def recording(length, drop=False):
+        unmasked.append(drop)
+        return real(length, drop)
+
+    monkeypatch.setattr(hf_generate, "StepAttention", recording)
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    for lengths, want_unmasked in (([7, 7, 7], True), ([7, 3, 5], False)):
+        ids, mask = _prompts(lengths, seed=4)
+        expected = _eager("llama", ids, mask, max_new_tokens=5)
+        unmasked.clear()
+        got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5)
+        assert torch.equal(got, expected), lengths
+        assert unmasked == [want_unmasked] * 5, (lengths, unmasked)
+
+
 def test_the_kv_cache_stays_at_one_address_across_generate_calls():
     compiled = pw.compile(_build("llama", "piecewise"), _config())
     ids, mask = _prompts([4, 6])
