@@ -91,8 +91,9 @@ def hf_cached_attention(
             row: rows are left-padded to one length), increasing.
         mask: ``[batch, 1, new_tokens, max_model_len]``, which cache positions each token sees
             (`attention_mask_for_step`: one mask a step, shared by every layer): additive (0 or
-            -inf) in the query's dtype, as a step builds it, so SDPA does not convert a bool mask
-            on every layer; a bool mask (True = attend) works too.
+            -inf) in the model's dtype (its KV cache's), as a step builds it, so SDPA does not
+            convert a bool mask on every layer (a mask of another dtype than the query's is
+            converted here); a bool mask (True = attend) works too.
         scaling: multiplier of ``q @ k^T``.
         out: ``[batch, new_tokens, num_heads, value_head_dim]`` in the query dtype, overwritten.
             The caller allocates it in the piece before the op (`cached_attention_forward`), so
@@ -103,8 +104,8 @@ def hf_cached_attention(
     sequence, not the cache size. That length is a host value: the `GenerationRoute` running the
     step knows it (`StepAttention`), so there is no device read and no device sync per layer;
     called outside a route, the op reads ``write_pos[-1]`` (one host read). When the route also
-    knows that the mask would keep every position (no padding; a decode step, or a prompt from
-    position 0, which is plain causal), the op attends without it: SDPA's masked CPU path
+    knows that no row is padded and the step is a decode step (the mask keeps every position) or
+    a whole prompt from position 0 (the mask is exactly ``is_causal``), the op attends without it: SDPA's masked CPU path
     measured 57 against 38 us a call at SmolLM2's decode shape (batch 1, 2 threads). Inside a
     full graph (`RuntimeMode.FULL`: captured once, replayed at every later position) no host
     value may be read or frozen, so it attends over the whole cache and the mask alone bounds

@@ -171,17 +171,18 @@ def _cached_attention(q, k_cache, v_cache, seq, pos, scale, out):
     On CUDA with Triton (`attention_impl` ``"auto"`` or ``"triton"``): one kernel for any mix of
     decode and prefill tokens, writing `out` directly (`models.triton_attention`). Otherwise SDPA:
 
-    * more tokens than slots (a prefill is in the batch): `_attention_by_sequence`, one SDPA a
+    * more tokens than slots (so a prefill is in the batch): `_attention_by_sequence`, one SDPA a
       sequence over a view of its own cache rows, because the gather copies ``max_seq_len``
       cache rows per token (at a 1024-token prefill of SmolLM2's shape, 150 MB a layer for the
       keys alone);
     * on the CPU, where reading `seq` and `pos` on the host costs no device sync: one token (a
       batch-1 decode step) takes the same path, one SDPA over a view with no gather and no mask
       (SmolLM2, 30 layers, the engine's decode step at batch 1: 45.5 against 47.9 ms with the
-      gather, medians of 4 alternating calls in one process); a decode batch gathers only rows
-      ``0..max(pos)``, not the whole cache (per-sequence SDPA calls measured 10 % slower than
+      gather, medians of 4 alternating calls in one process); a decode batch (any batch of at
+      most one token a slot) gathers only rows ``0..max(pos)``, not the whole cache (per-sequence SDPA calls measured 10 % slower than
       one gathered call at batch 8);
-    * otherwise (a decode batch on another device): `_gathered_attention` over every cache row,
+    * otherwise (at most one token a slot, as in a decode batch, on another device; a short
+      prefill within that count takes it too): `_gathered_attention` over every cache row,
       one fused SDPA with grouped-query heads and a [n, max_seq_len] mask, reading nothing on the
       host (a GPU would sync per layer)."""
     if _use_triton(q):
@@ -260,9 +261,10 @@ def _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out):
     written into its rows of `out`. A run of one token (a decode token) sees every row of that
     view, so it needs no mask; a run at positions ``0..count-1`` in order (a whole prompt) is
     exactly SDPA's ``is_causal``; any other run (a chunk of a prompt after earlier chunks,
-    tokens out of order) gets a ``[count, length]`` bool mask. One host read of `seq` and `pos`
-    (a device sync on a GPU, where only batches with more tokens than slots take this path);
-    the runs are found in Python from it, fewer dispatcher calls than ``unique_consecutive``.
+    tokens out of order) gets a ``[count, length]`` bool mask. Two host reads, `seq` and
+    `pos` (device syncs on a GPU, where only batches with more tokens than slots take this
+    path); the runs are found in Python from them, fewer dispatcher calls than
+    ``unique_consecutive``.
     Correct for any token order: every token sees exactly its sequence's rows ``0..pos``,
     written before any token attends."""
     slots, positions = seq.tolist(), pos.tolist()
