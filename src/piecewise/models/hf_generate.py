@@ -105,8 +105,9 @@ def hf_cached_attention(
     step knows it (`StepAttention`), so there is no device read and no device sync per layer;
     called outside a route, the op reads ``write_pos[-1]`` (one host read). When the route also
     knows that no row is padded and the step is a decode step (the mask keeps every position) or
-    a whole prompt from position 0 (the mask is exactly ``is_causal``), the op attends without it: SDPA's masked CPU path
-    measured 57 against 38 us a call at SmolLM2's decode shape (batch 1, 2 threads). Inside a
+    a whole prompt from position 0 (the mask is exactly ``is_causal``), the op attends without
+    it: SDPA's masked CPU path measured 57 against 38 us a call at SmolLM2's decode shape (batch
+    1, 2 threads). Inside a
     full graph (`RuntimeMode.FULL`: captured once, replayed at every later position) no host
     value may be read or frozen, so it attends over the whole cache and the mask alone bounds
     each token. The mask comes built: per layer the op only writes the cache and attends.
@@ -120,8 +121,9 @@ def hf_cached_attention(
     keys.index_copy_(2, write_pos, key if key.dtype == k_cache.dtype else key.to(k_cache.dtype))
     values.index_copy_(2, write_pos, value if value.dtype == v_cache.dtype else value.to(v_cache.dtype))
     ctx = current_forward_context()
-    step = None if ctx is not None and ctx.runtime_mode == RuntimeMode.FULL else _step_attention.get()
-    if ctx is not None and ctx.runtime_mode == RuntimeMode.FULL:
+    full = ctx is not None and ctx.runtime_mode == RuntimeMode.FULL
+    step = None if full else _step_attention.get()
+    if full:
         length = k_cache.shape[2]
     else:
         length = step.length if step is not None else int(write_pos[-1]) + 1
@@ -132,7 +134,8 @@ def hf_cached_attention(
         mask = mask.to(query.dtype)
     if length != k_cache.shape[2]:
         keys, values = keys[:, :, :length], values[:, :, :length]
-        mask = mask if mask is None else mask[..., :length]
+        if mask is not None:
+            mask = mask[..., :length]
     if keys.dtype != query.dtype:
         keys, values = keys.to(query.dtype), values.to(query.dtype)
     res = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,

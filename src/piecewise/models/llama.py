@@ -179,19 +179,20 @@ def _cached_attention(q, k_cache, v_cache, seq, pos, scale, out):
       batch-1 decode step) takes the same path, one SDPA over a view with no gather and no mask
       (SmolLM2, 30 layers, the engine's decode step at batch 1: 45.5 against 47.9 ms with the
       gather, medians of 4 alternating calls in one process); a decode batch (any batch of at
-      most one token a slot) gathers only rows ``0..max(pos)``, not the whole cache (per-sequence SDPA calls measured 10 % slower than
-      one gathered call at batch 8);
+      most one token a slot) gathers only rows ``0..max(pos)``, not the whole cache
+      (per-sequence SDPA calls measured 10 % slower than one gathered call at batch 8);
     * otherwise (at most one token a slot, as in a decode batch, on another device; a short
       prefill within that count takes it too): `_gathered_attention` over every cache row,
       one fused SDPA with grouped-query heads and a [n, max_seq_len] mask, reading nothing on the
       host (a GPU would sync per layer)."""
+    cpu = q.device.type == "cpu"
     if _use_triton(q):
         from .triton_attention import cached_attention
 
         cached_attention(q, k_cache, v_cache, seq, pos, scale, out)
-    elif q.shape[0] > k_cache.shape[0] or (q.shape[0] == 1 and q.device.type == "cpu"):
+    elif q.shape[0] > k_cache.shape[0] or (cpu and q.shape[0] == 1):
         _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out)
-    elif q.device.type == "cpu":
+    elif cpu:
         length = int(pos.max()) + 1
         out.copy_(_gathered_attention(q, k_cache[:, :length], v_cache[:, :length], seq, pos, scale))
     else:
