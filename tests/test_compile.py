@@ -139,6 +139,41 @@ def test_mutating_and_tuple_returning_splitting_ops():
     assert model.cache.abs().sum() > 0
 
 
+class InPlaceWriteModel(torch.nn.Module):
+    """Writes a buffer in place with tensor methods whose results nothing reads (a user's own KV
+    cache write, a step counter) in a graph that also takes a whole ``x.size()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rows", torch.zeros(16, 4))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, at):
+        shape = x.size()
+        self.rows.index_copy_(0, at, x * 2)
+        self.calls.add_(1)
+        y = torch.ops.piecewise_models.toy_attention(x, x, x)
+        return y.reshape(shape[0] * shape[1]), y.new_ones(shape)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_an_in_place_write_whose_result_is_unused_is_kept(backend):
+    """A whole ``x.size()`` is rewritten per dim before the split; the clean-up after it once ran
+    FX's dead-code pass, which counts an unused in-place method call as dead and dropped the
+    writes: the buffer stayed zero while the output looked right."""
+    import piecewise.models.toy  # noqa: F401  registers toy_attention
+
+    ref, model = InPlaceWriteModel(), InPlaceWriteModel()
+    cm = pw.compile(model, _cfg(backend=backend, splitting_ops=["piecewise_models::toy_attention"]),
+                    dynamic_arg_dims={"x": 0, "at": 0})
+    with counters.expect(recompiles=0):
+        for n in (3, 5, 2):
+            x, at = torch.randn(n, 4), torch.randperm(16)[:n]
+            torch.testing.assert_close(cm(x, at), ref(x, at))
+            torch.testing.assert_close(model.rows, ref.rows, rtol=0, atol=0)
+    assert model.calls.item() == 3 and model.rows.abs().sum() > 0
+
+
 class NoAttention(torch.nn.Module):
     def __init__(self):
         super().__init__()

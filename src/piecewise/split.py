@@ -102,6 +102,7 @@ def decompose_size_calls(gm: torch.fx.GraphModule) -> int:
     """
     graph = gm.graph
     rewritten = 0
+    made: list[torch.fx.Node] = []
     for node in list(graph.nodes):
         if not _is_whole_size_call(node):
             continue
@@ -116,6 +117,7 @@ def decompose_size_calls(gm: torch.fx.GraphModule) -> int:
                 d.meta["example_value"] = val[i]
                 dims.append(d)
         dims.reverse()
+        made += dims
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
                 user.replace_all_uses_with(dims[user.args[1]])
@@ -126,7 +128,12 @@ def decompose_size_calls(gm: torch.fx.GraphModule) -> int:
         graph.erase_node(node)
         rewritten += 1
     if rewritten:
-        graph.eliminate_dead_code()
+        # Only the dims this pass made and nothing reads go; not a general dead-code pass: FX counts
+        # an in-place tensor method whose result is unused (``cache.index_put_(...)``, ``buf.add_(1)``)
+        # as dead, and removing it would silently drop the write.
+        for d in made:
+            if not d.users:
+                graph.erase_node(d)
         gm.recompile()
     return rewritten
 
