@@ -2,6 +2,8 @@
 attn_implementation="sdpa" eager, for both entry paths, every cache spelling, left-padded batches,
 and one trace for any batch size and prompt length."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -117,10 +119,13 @@ def test_ten_generate_calls_of_any_batch_and_length_trace_once():
 
 @pytest.mark.parametrize("new", [1, 6])
 def test_the_cached_attention_equals_the_math_with_a_bool_an_additive_or_no_mask(new):
-    """`hf_cached_attention` with the bool mask, the additive mask a step builds, and no mask (what
-    a `GenerationRoute` asks for when no row is padded): a decode step (1 new token, 9 cached) and a
-    whole prompt from position 0 (6 tokens, plain causal) equal softmax attention written out."""
-    from piecewise.models.hf_generate import StepAttention, _step_attention, attention_mask_for_step, hf_cached_attention
+    """The cache written by `write_kv_cache` (the piece before the op) or by `hf_cached_attention`
+    itself (the decode step with graphs), then attended with the bool mask, the additive mask a step
+    builds, and no mask (what a `GenerationRoute` asks for when no row is padded): a decode step (1
+    new token, 9 cached) and a whole prompt from position 0 (6 tokens, plain causal) equal softmax
+    attention written out, and the cache holds the new keys and values at their positions only."""
+    from piecewise.models.hf_generate import (StepAttention, _step_attention, attention_mask_for_step, hf_cached_attention,
+                                              write_kv_cache)
 
     g = torch.Generator().manual_seed(5)
     batch, heads, kv, dim, max_len = 3, 4, 2, 8, 16
@@ -136,17 +141,25 @@ def test_the_cached_attention_equals_the_math_with_a_bool_an_additive_or_no_mask
     scores = (q @ keys.transpose(-1, -2)) * dim**-0.5
     seen = torch.arange(past + new)[None, :] <= write_pos[:, None]
     want = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(1, 2)
-    for mask_dtype, unmasked in ((None, False), (torch.float32, False), (torch.float32, True)):
+    for (mask_dtype, unmasked), in_op in itertools.product(((None, False), (torch.float32, False), (torch.float32, True)),
+                                                          (False, True)):
         k_cache, v_cache = k0.clone(), v0.clone()
         out = torch.full((batch, new, heads, dim), float("nan"))
         mask = attention_mask_for_step(write_pos, valid, mask_dtype)
         assert mask.dtype == (mask_dtype or torch.bool)
+        if not in_op:
+            write_kv_cache(k_cache, v_cache, k, v, write_pos)
         token = _step_attention.set(StepAttention(past + new, unmasked))
         try:
-            hf_cached_attention(q, k, v, k_cache, v_cache, write_pos, mask, dim**-0.5, out)
+            hf_cached_attention(q, k if in_op else None, v if in_op else None, k_cache, v_cache, write_pos, mask,
+                                dim**-0.5, out)
         finally:
             _step_attention.reset(token)
-        torch.testing.assert_close(out, want, rtol=1.3e-6, atol=1e-5, msg=f"mask {mask_dtype}, unmasked={unmasked}")
+        written = torch.zeros(max_len, dtype=torch.bool)
+        written[past:past + new] = True
+        assert torch.equal(k_cache[:, :, written], k) and torch.equal(v_cache[:, :, written], v)
+        assert torch.equal(k_cache[:, :, ~written], k0[:, :, ~written]) and torch.equal(v_cache[:, :, ~written], v0[:, :, ~written])
+        torch.testing.assert_close(out, want, rtol=1.3e-6, atol=1e-5, msg=f"mask {mask_dtype}, unmasked={unmasked}, in_op={in_op}")
 
 
 def test_steps_attend_without_the_mask_only_when_no_row_is_padded(monkeypatch):

@@ -6,8 +6,9 @@ compiled model with transformers' calling convention (``input_ids`` ``[batch, ne
 `GenerationRoute` serves those calls with a second compiled model, a `GenerationStep`, whose KV
 cache is static tensors allocated once per layer, ``[max_num_seqs, num_kv_heads, max_model_len,
 head_dim]``, so their addresses never move across steps or ``generate()`` calls (what graph capture
-needs). The attention splitting op `hf_cached_attention` writes each step's keys and values into it
-in place at the tokens' cache positions and attends over it; transformers' own cache object is
+needs). Each step's keys and values are written into it in place at the tokens' cache positions,
+compiled into the piece before the attention splitting op (`write_kv_cache`; by the op itself in
+the decode step with graphs), and the op `hf_cached_attention` attends over it; transformers' own cache object is
 passed through untouched and only tells a new generation (a new cache object) from the next step
 of the current one.
 
@@ -67,11 +68,36 @@ _step_attention: contextvars.ContextVar[StepAttention | None] = contextvars.Cont
                                                                                       default=None)
 
 
+def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   write_pos: torch.Tensor) -> None:
+    """Write a step's keys and values into the static cache in place, rows ``0..batch-1`` at
+    positions `write_pos`. Traced into the piece before `hf_cached_attention` (every step but the
+    decode step with graphs, where the op writes), so the write is part of that piece's compiled
+    code (Inductor fuses it with the projection and rotary embedding that make the keys) instead
+    of two eager calls a layer between pieces.
+
+    Args:
+        k_cache, v_cache: ``[max_num_seqs, num_kv_heads, max_model_len, head_dim]``.
+        key, value: ``[batch, num_kv_heads, new_tokens, head_dim]`` (cast to the cache's dtype).
+        write_pos: ``[new_tokens]`` int64, the cache position of each new token (every row the same).
+
+    One ``index_put_`` on the whole cache tensor with broadcast row, head and position indices:
+    Inductor turns the functionalized write back into an in-place store into the graph input. The
+    same write through a view (``k_cache[:batch].index_copy_(...)``) made it copy the view twice per
+    layer (out to a buffer and back), which is the whole cache rows of the batch.
+    """
+    rows = torch.arange(key.shape[0], device=k_cache.device)[:, None, None]
+    heads = torch.arange(key.shape[1], device=k_cache.device)[None, :, None]
+    at = (rows, heads, write_pos[None, None, :])
+    k_cache.index_put_(at, key.to(k_cache.dtype))
+    v_cache.index_put_(at, value.to(v_cache.dtype))
+
+
 @splitting_op(CACHED_ATTENTION_OP, mutates_args=("k_cache", "v_cache", "out"))
 def hf_cached_attention(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     write_pos: torch.Tensor,
@@ -79,14 +105,23 @@ def hf_cached_attention(
     scaling: float,
     out: torch.Tensor,
 ) -> None:
-    """Write this step's keys and values into the static cache and attend over the cached rows;
-    the result goes into `out`.
+    """Attend a step's queries over the static cache; the result goes into `out`. With `key` and
+    `value` the op first writes them into the cache (`write_kv_cache`); without them (None) the
+    piece before has written them.
+
+    Where the write happens is the step's choice (`cached_attention_forward`): in the piece before,
+    compiled, except in the decode step with graphs. There a captured piece would write pad rows
+    into the cache, which graph capture's check for values combined across tokens refuses for any
+    compiled node (it cannot know that pad rows land in slots no real row reads); a splitting op
+    is trusted with that, so the op writes.
 
     Args:
         query: ``[batch, num_heads, new_tokens, head_dim]``.
-        key, value: ``[batch, num_kv_heads, new_tokens, head_dim]`` (value may have its own head dim).
-        k_cache, v_cache: ``[max_num_seqs, num_kv_heads, max_model_len, head_dim]``, written in place
-            at rows ``0..batch-1``, positions `write_pos`.
+        key, value: ``[batch, num_kv_heads, new_tokens, head_dim]`` (value may have its own head
+            dim) to write first, or None.
+        k_cache, v_cache: ``[max_num_seqs, num_kv_heads, max_model_len, head_dim]``, rows
+            ``0..batch-1`` read (and written when `key` is given); ``num_heads != num_kv_heads`` is
+            grouped-query attention.
         write_pos: ``[new_tokens]`` int64, the cache position of each new token (the same for every
             row: rows are left-padded to one length), increasing.
         mask: ``[batch, 1, new_tokens, max_model_len]``, which cache positions each token sees
@@ -107,10 +142,10 @@ def hf_cached_attention(
     knows that no row is padded and the step is a decode step (the mask keeps every position) or
     a whole prompt from position 0 (the mask is exactly ``is_causal``), the op attends without
     it: SDPA's masked CPU path measured 57 against 38 us a call at SmolLM2's decode shape (batch
-    1, 2 threads). Inside a
-    full graph (`RuntimeMode.FULL`: captured once, replayed at every later position) no host
-    value may be read or frozen, so it attends over the whole cache and the mask alone bounds
-    each token. The mask comes built: per layer the op only writes the cache and attends.
+    1, 2 threads). Inside a full graph (`RuntimeMode.FULL`: captured once, replayed at every later
+    position) no host value may be read or frozen, so it attends over the whole cache and the mask
+    alone bounds each token. The mask comes built: per layer the op only writes the cache (when
+    asked) and attends.
     """
     batch, heads = query.shape[0], query.shape[1]
     # Few dispatcher calls: on a GPU between piecewise graphs each one is host time the device
@@ -118,8 +153,9 @@ def hf_cached_attention(
     keys, values = k_cache, v_cache
     if batch != k_cache.shape[0]:
         keys, values = k_cache[:batch], v_cache[:batch]
-    keys.index_copy_(2, write_pos, key if key.dtype == k_cache.dtype else key.to(k_cache.dtype))
-    values.index_copy_(2, write_pos, value if value.dtype == v_cache.dtype else value.to(v_cache.dtype))
+    if key is not None and value is not None:
+        keys.index_copy_(2, write_pos, key if key.dtype == k_cache.dtype else key.to(k_cache.dtype))
+        values.index_copy_(2, write_pos, value if value.dtype == v_cache.dtype else value.to(v_cache.dtype))
     ctx = current_forward_context()
     full = ctx is not None and ctx.runtime_mode == RuntimeMode.FULL
     step = None if full else _step_attention.get()
@@ -139,7 +175,7 @@ def hf_cached_attention(
     if keys.dtype != query.dtype:
         keys, values = keys.to(query.dtype), values.to(query.dtype)
     res = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
-                                                           is_causal=causal, enable_gqa=heads != key.shape[1])
+                                                           is_causal=causal, enable_gqa=heads != k_cache.shape[1])
     out.copy_(res.transpose(1, 2))
 
 
@@ -219,7 +255,8 @@ class GenerationStep(torch.nn.Module):
                                        logits_to_keep=1 if self.last_logits_only else 0,
                                        pw_write_pos=write_pos,
                                        pw_mask=attention_mask_for_step(write_pos, kv_valid, self.k_cache_0.dtype),
-                                       pw_k_caches=k_caches, pw_v_caches=v_caches)
+                                       pw_k_caches=k_caches, pw_v_caches=v_caches,
+                                       pw_write_in_op=self.all_slots_kv_valid)
         return out.logits
 
 
@@ -236,8 +273,13 @@ def cached_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                           f"and values of {value.shape[1]} x {value.shape[-1]}, but its config gives the KV cache "
                           f"{k_cache.shape[1]} heads x {k_cache.shape[-1]} (num_key_value_heads, head_dim); piecewise's "
                           "generation cache cannot hold this architecture: generate with attn_implementation='sdpa'")
+    write_pos = kwargs["pw_write_pos"]
+    in_op = kwargs.get("pw_write_in_op", False)  # the decode step with graphs (see hf_cached_attention)
+    if not in_op:
+        write_kv_cache(k_cache, v_cache, key, value, write_pos)
     out = query.new_empty(batch, new_tokens, heads, value.shape[-1])  # written by the op, read in place next
-    hf_cached_attention(query, key, value, k_cache, v_cache, kwargs["pw_write_pos"], kwargs["pw_mask"], scale, out)
+    hf_cached_attention(query, key if in_op else None, value if in_op else None, k_cache, v_cache, write_pos,
+                        kwargs["pw_mask"], scale, out)
     return out, None
 
 
