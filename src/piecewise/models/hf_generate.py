@@ -106,8 +106,9 @@ def hf_cached_attention(
     out: torch.Tensor,
 ) -> None:
     """Attend a step's queries over the static cache; the result goes into `out`. With `key` and
-    `value` the op first writes them into the cache (`write_kv_cache`); without them (None) the
-    piece before has written them.
+    `value` the op first writes them into the cache (``index_copy_`` into rows ``0..batch-1`` at
+    `write_pos`, what `write_kv_cache` does in a piece); without them (None) the piece before has
+    written them.
 
     Where the write happens is the step's choice (`cached_attention_forward`): in the piece before,
     compiled, except in the decode step with graphs. There a captured piece would write pad rows
