@@ -19,6 +19,7 @@ from .errors import (
     InputError,
     PiecewiseError,
     RecompileError,
+    SizeRefusedError,
     SplitError,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "ForwardContext",
     "GuardFailureError",
     "InputError",
+    "SizeRefusedError",
     "PiecewiseError",
     "RecompileError",
     "SplitError",

@@ -283,7 +283,8 @@ class PiecewiseBackend:
                       if sym_index is not None else None)
         # under "backed" dynamic shapes sizes 0 and 1 are refused by the call signature already
         lo = 2 if self.config.dynamic_shapes == "backed" else 1
-        refusal = size_refusal(fake_mode.shape_env, symbol, lo, self.config.max_num_tokens) if symbol is not None else None
+        refusal = (size_refusal(fake_mode.shape_env, fake_inputs, symbol, lo, self.config.max_num_tokens)
+                   if symbol is not None else None)
         if refusal is not None:
             log.warning("[%s] %s", self.tag, refusal.reason)
         plan = None
@@ -459,46 +460,99 @@ def _argument_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
     return tuple(out)
 
 
-def size_refusal(shape_env: Any, symbol: Any, lo: int, max_num_tokens: int) -> SizeRefusal | None:
-    """The token counts in ``[lo, max_num_tokens]`` for which a guard the trace placed on the token
-    count fails, or None when every guard holds for every count.
+def size_refusal(shape_env: Any, fake_inputs: Sequence[Any], dispatch: Any, lo: int, max_num_tokens: int) -> SizeRefusal | None:
+    """The shape guards on the dynamic sizes that some sizes in ``[lo, max_num_tokens]`` fail, as a
+    `SizeRefusal` evaluated on every call; None when every guard holds for every size.
 
-    Dispatch is guard-free, so a Python branch on the size (``if x.shape[0] > 4``) is frozen to the
-    first call's side; the guard Dynamo recorded for it says which sizes that side is right for.
-    Guards on the token symbol alone are evaluated at every count (the range Dynamo inferred
-    first, then each guard); guards tying it to another symbol (two dims that must be equal) are
-    left to the ops, which fail loudly on a mismatch."""
+    Dispatch is guard-free, so whatever the trace decided from a size is frozen to the first call's
+    sizes: a Python branch (``if x.shape[0] > 4``), a view that is one only when a batch is 1 (a
+    strided ``[B, 1, H]`` folded into ``[B, H]`` by matmul's decomposition), two dims taken to be
+    equal. The guard Dynamo or a piece's compile recorded says which sizes that code is right for.
+    Every dynamic size is at most ``max_num_tokens`` (the call signature checks), so a guard on one
+    size is evaluated at every size; a guard on several at a grid of sizes (both ends, the small
+    ones, the traced ones, a middle one) - enough to find one that the trace specialised, which is
+    then checked on every call. Guards on symbols that are no input size (unbacked ones) are left
+    out: a trace with those refuses at trace time instead."""
+    import itertools
+
     import sympy
 
     hi = max_num_tokens
-    vr = getattr(shape_env, "var_to_range", {}).get(symbol)
-    bad: set[int] = set()
+    getters: dict[Any, tuple[int, int | None]] = {}
+    for i, x in enumerate(fake_inputs):
+        dims = [(None, x)] if isinstance(x, torch.SymInt) else (
+            list(enumerate(x.shape)) if isinstance(x, torch.Tensor) else [])
+        for d, size in dims:
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                getters.setdefault(size.node.expr, (i, d))
+    names = {v: "token count" if v == dispatch else _dim_name(shape_env, v) for v in getters}
+    ranges = getattr(shape_env, "var_to_range", {})
+    hints = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", {})
+
+    def probes(sym: Any) -> list[int]:
+        pick = {lo, lo + 1, lo + 2, 3, 4, 7, hi // 2, hi - 1, hi, int(hints.get(sym, lo))}
+        return sorted(n for n in pick if lo <= n <= hi)
+
+    kept: list[Any] = []
     where: list[str] = []
-    if vr is not None:
-        vlo, vhi = _bound(vr.lower, lo), _bound(vr.upper, hi)
-        out = [n for n in range(lo, hi + 1) if n < vlo or n > vhi]
-        if out:
-            bad.update(out)
+    spans: dict[Any, list[int]] = {}  # per symbol with a guard of its own: the sizes it is right for
+    candidates: list[tuple[Any, str]] = []
+    for sym in getters:
+        vr = ranges.get(sym)
+        if vr is not None:
+            vlo, vhi = _bound(vr.lower, lo), _bound(vr.upper, hi)
+            if vlo > lo or vhi < hi:
+                candidates.append((sympy.And(sympy.Ge(sym, vlo), sympy.Le(sym, vhi)), "the range Dynamo inferred"))
     for g in getattr(shape_env, "guards", ()):
-        expr = g.expr
-        if expr.free_symbols != {symbol}:
+        sloc = str(getattr(g, "sloc", "?")).strip()  # "<line>  # <file:line> in <fn> (<torch's frame>)"
+        candidates.append((g.expr, sloc.rsplit(" (", 1)[0].strip() if sloc.endswith(")") else sloc))
+    for expr, at in candidates:
+        syms = expr.free_symbols
+        if not syms or not syms <= getters.keys():
             continue
+        order = sorted(syms, key=str)
+        if len(order) == 1:
+            grid: Any = [(n,) for n in range(lo, hi + 1)]
+        else:
+            grid = itertools.islice(itertools.product(*(probes(v) for v in order)), 20000)
         try:
-            fails = [n for n in range(lo, hi + 1) if n not in bad and not bool(expr.xreplace({symbol: sympy.Integer(n)}))]
-        except TypeError as e:  # an expression sympy cannot decide for a number: keep the sizes, say why
+            failed = [p for p in grid if not bool(expr.xreplace({v: sympy.Integer(n) for v, n in zip(order, p)}))]
+        except TypeError as e:  # an expression sympy cannot decide for numbers: say so, keep going
             log.debug("size guard %s not evaluated (%s)", expr, e)
             continue
-        if fails or (bad and not where):
-            where.append(f"{expr} at {str(getattr(g, 'sloc', '?')).split(' (')[0].strip()}")
-        bad.update(fails)
-    if not bad:
+        if not failed:
+            continue
+        kept.append(expr)
+        where.append(f"{expr.xreplace({v: sympy.Symbol(names[v]) for v in order})} at {at}")
+        if len(order) == 1:
+            bad = {p[0] for p in failed}
+            spans[order[0]] = [n for n in spans.get(order[0], range(lo, hi + 1)) if n not in bad]
+    if not kept:
         return None
-    ok = [n for n in range(lo, hi + 1) if n not in bad]
-    span = f"{ok[0]}..{ok[-1]}" if ok and ok[-1] - ok[0] + 1 == len(ok) else f"{len(ok)} of them"
-    reason = (f"the traced code branches on the token count ({'; '.join(where) or 'a guard on its range'}), so it is right "
-              f"only for token counts {span} of {lo}..{max_num_tokens}; other counts are refused. Make forward independent "
-              "of the size there, or compile each size class as a model of its own (CompilationConfig(tag=...))")
-    return SizeRefusal(frozenset(bad), reason)
+    syms = sorted({v for e in kept for v in e.free_symbols}, key=lambda v: (v != dispatch, str(v)))
+    rights = []
+    for v, ok in spans.items():
+        span = f"{ok[0]}..{ok[-1]}" if ok and ok[-1] - ok[0] + 1 == len(ok) else f"{len(ok)} of them"
+        rights.append(f"only for {'token counts' if v == dispatch else names[v]} {span} of {lo}..{hi}")
+    reason = (f"the traced code depends on the dynamic sizes ({'; '.join(where)}), so it is right "
+              f"{', '.join(rights) or 'only for sizes that satisfy that'}; other sizes are refused. Make forward "
+              "independent of the size there, or compile each size class as a model of its own (CompilationConfig(tag=...))")
+    return SizeRefusal(dims=tuple((*getters[v], names[v]) for v in syms), symbols=tuple(syms), guards=tuple(kept),
+                       reason=reason)
+
+
+def _dim_name(shape_env: Any, symbol: Any) -> str:
+    """The dim a size symbol was made for, as the user writes it (``L['x'].size()[0]`` ->
+    ``x.shape[0]``), or the symbol's name."""
+    import re
+
+    sources = getattr(shape_env, "var_to_sources", {}).get(symbol) or []
+    if not sources:
+        return str(symbol)
+    name = sources[0].name
+    name = name() if callable(name) else name
+    name = re.sub(r"L\['([^']+)'\]", r"\1", name)
+    return re.sub(r"\.size\(\)\[(\d+)\]", r".shape[\1]", name)
 
 
 def _bound(v: Any, default: int) -> int:

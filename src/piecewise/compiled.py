@@ -18,7 +18,7 @@ from typing import Any, Union
 
 import torch.fx
 
-from .errors import InputError
+from .errors import InputError, SizeRefusedError
 from .forward_context import ForwardContext, RuntimeMode, enter_forward, exit_forward
 from .graphs.install import GraphInstall, GraphPlan, install_graphs
 from .ops import direct_call
@@ -64,11 +64,43 @@ class RunnerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SizeRefusal:
-    """Token counts the traced code is wrong for (a guard on the size failed for them) and why;
-    a call with one of them raises `InputError` instead of running (`backend.size_refusal`)."""
+    """Dynamic sizes the traced code is wrong for, and why (`backend.size_refusal`).
 
-    sizes: frozenset[int]
+    Dispatch skips Dynamo's guards, so a shape guard that the trace or a piece's compile placed on
+    the dynamic sizes (a Python branch on a size, a view that holds only for one batch size, two
+    dims that must be equal) is kept here and evaluated on the call's sizes instead; a call that
+    fails one raises `SizeRefusedError` (an `InputError`) instead of running code specialised for
+    other sizes.
+
+    Attributes:
+        dims: per size the guards read, ``(position among the graph's inputs, dim of that tensor
+            or None for a SymInt input, name)``; the name is ``"token count"`` for the dispatch
+            size, else the dim as the user wrote it (``position_ids.shape[0]``).
+        symbols: the sympy symbol of each of `dims`, same order.
+        guards: sympy expressions over `symbols` that must all hold.
+        reason: which sizes the trace is right for and the remedy.
+    """
+
+    dims: tuple[tuple[int, int | None, str], ...]
+    symbols: tuple[Any, ...]
+    guards: tuple[Any, ...]
     reason: str
+
+    def sizes(self, args: Sequence[Any]) -> tuple[int, ...]:
+        """This call's value of each of `dims`."""
+        return tuple(int(args[i]) if d is None else args[i].shape[d] for i, d, _ in self.dims)
+
+    def holds(self, sizes: tuple[int, ...]) -> bool:
+        """Whether every guard holds at `sizes` (a few microseconds a guard; callers memoise)."""
+        import sympy
+
+        env = {s: sympy.Integer(v) for s, v in zip(self.symbols, sizes)}
+        return all(bool(g.xreplace(env)) for g in self.guards)
+
+    def error(self, tag: str, sizes: tuple[int, ...]) -> SizeRefusedError:
+        what = ", ".join(f"{name} {v}" if name == "token count" else f"{name} = {v}"
+                         for (_, _, name), v in zip(self.dims, sizes))
+        return SizeRefusedError(f"[{tag}] {what} refused: {self.reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +117,7 @@ class CompiledPlan:
         traced_files: source files Dynamo inlined.
         splitting: indices of the splitting pieces.
         device: device type of the graph's inputs.
-        size_refusal: token counts the traced code is wrong for (None: it holds for all).
+        size_refusal: dynamic sizes the traced code is wrong for (None: it holds for all).
     """
 
     runners: tuple[RunnerSpec, ...]
@@ -113,6 +145,7 @@ class StitchedForward:
                  sym_index: int | None, tag: str, max_num_tokens: int, refusal: SizeRefusal | None = None) -> None:
         self.forward = fx_forward(split_gm)
         self.refusal = refusal
+        self._sizes_ok: dict[tuple[int, ...], bool] = {}
         self.split_gm = split_gm
         self.table = table
         self.state = state
@@ -122,11 +155,21 @@ class StitchedForward:
         self.graphs: Any = None  # a graphs.dispatch.GraphDispatcher when graphs are captured
 
     def __call__(self, *args: Any) -> Any:
-        if self.refusal is not None and args[self.sym_index] in self.refusal.sizes:
-            raise InputError(f"[{self.tag}] token count {args[self.sym_index]} refused: {self.refusal.reason}")
+        if self.refusal is not None:
+            self._check_sizes(args)
         if self.graphs is not None:
             return self.graphs(args)
         return self.run_plain(*args)
+
+    def _check_sizes(self, args: tuple) -> None:
+        """Raise `SizeRefusedError` when this call's sizes fail a guard of `refusal`; each distinct tuple
+        of sizes is evaluated once (all are <= max_num_tokens, so the memo stays bounded)."""
+        sizes = self.refusal.sizes(args)
+        ok = self._sizes_ok.get(sizes)
+        if ok is None:
+            ok = self._sizes_ok[sizes] = self.refusal.holds(sizes)
+        if not ok:
+            raise self.refusal.error(self.tag, sizes)
 
     def run_plain(self, *args: Any) -> Any:
         """One forward without graphs, at the call's own size.

@@ -9,7 +9,7 @@ from __future__ import annotations
 __all__ = [
     "PiecewiseError",
     "ConfigError",
-    "InputError",
+    "InputError", "SizeRefusedError",
     "SplitError",
     "CompileError",
     "RecompileError",
@@ -30,6 +30,12 @@ class ConfigError(PiecewiseError, ValueError):
 class InputError(PiecewiseError, ValueError):
     """A call's inputs do not match what the compiled model was built for (dtype, device, rank,
     a dynamic size above `max_num_tokens`). Raised before anything runs."""
+
+
+class SizeRefusedError(InputError):
+    """A call's dynamic sizes fail a shape guard of the trace (the traced code branched on a size,
+    or holds only at one size), so the compiled model would run code specialised for other sizes.
+    Raised before anything runs; the message names the dim, its value and the guard's line."""
 
 
 class SplitError(PiecewiseError):

@@ -94,7 +94,7 @@ def test_a_branch_on_the_size_is_refused_for_the_sizes_its_guard_excludes(mode, 
     cm = pw.compile(_BranchOnSize(), cfg, dynamic_arg_dims={"x": 0})
     x = torch.randn(6, 3)
     torch.testing.assert_close(cm(x), x * 2)
-    assert "branches on the token count" in caplog.text and "5..16" in caplog.text
+    assert "depends on the dynamic sizes" in caplog.text and "5..16" in caplog.text
     for n in (5, 16):
         x = torch.randn(n, 3)
         torch.testing.assert_close(cm(x), x * 2)
@@ -108,6 +108,49 @@ def test_a_branch_on_the_size_is_refused_for_the_sizes_its_guard_excludes(mode, 
         torch.testing.assert_close(warm(x), x * 2)
     with pytest.raises(InputError, match="refused"):
         warm(torch.randn(3, 3))
+
+
+class _LastPositionProjection(torch.nn.Module):
+    """Tokens [N] (the token count) and a batch x [B, T, 16]: x[:, -1:] is a strided [B, 1, 16] view
+    that matmul folds into [B, 16] without a copy only when B == 1, so a trace at B == 1 records the
+    guard Eq(B, 1) on a size that is not the token count (what transformers' ``logits_to_keep=1``
+    does before lm_head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, tokens, x):
+        return tokens * 2, torch.nn.functional.linear(x[:, -1:, :], self.w)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_guard_on_a_size_other_than_the_token_count_is_refused(backend, tmp_path, caplog):
+    """Before, only guards on the token count were checked: with Inductor a batch of 2 after a
+    first call with 1 returned wrong values silently. Now every dynamic size's guards are checked
+    on each call, through a warm start too."""
+    cfg = CompilationConfig(backend=backend, mode="full", max_num_tokens=16, cache_dir=str(tmp_path), tag="last_proj")
+    dims = {"tokens": 0, "x": (0, 1)}
+    model = _LastPositionProjection().eval()
+    cm = pw.compile(model, cfg, dynamic_arg_dims=dims)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad(), counters.expect(recompiles=0, dynamo_traces=1):
+        for n, t in ((4, 5), (7, 3), (16, 16)):  # batch 1 at every token count and length: served
+            tokens, x = torch.randn(n, generator=gen), torch.randn(1, t, 16, generator=gen)
+            for got, want in zip(cm(tokens, x), model(tokens, x)):
+                torch.testing.assert_close(got, want)
+        assert "x.shape[0] 1..1 of 1..16" in caplog.text
+        for b in (2, 3, 16):
+            with pytest.raises(InputError, match=rf"x.shape\[0\] = {b} refused: .*Eq\(x.shape\[0\], 1\).*functional.linear"):
+                cm(torch.randn(4), torch.randn(b, 5, 16))
+    torch._dynamo.reset()
+    with scoped_tags():
+        warm = pw.compile(_LastPositionProjection().eval(), cfg, dynamic_arg_dims=dims)
+    with torch.no_grad(), counters.expect(bundle_hits=1, dynamo_traces=0):
+        tokens, x = torch.randn(3, generator=gen), torch.randn(1, 6, 16, generator=gen)
+        torch.testing.assert_close(warm(tokens, x)[1], model(tokens, x)[1])
+        with pytest.raises(InputError, match=r"x.shape\[0\] = 2 refused"):
+            warm(torch.randn(4), torch.randn(2, 5, 16))
 
 
 def test_the_mode_is_validated_and_in_the_cache_key():
