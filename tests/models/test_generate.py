@@ -3,6 +3,7 @@ attn_implementation="sdpa" eager, for both entry paths, every cache spelling, le
 and one trace for any batch size and prompt length."""
 
 import itertools
+import logging
 
 import pytest
 import torch
@@ -27,6 +28,11 @@ def _build(arch, attn, seed=0):
         cfg = LlamaConfig(**common, tie_word_embeddings=False, attention_bias=True)
     elif arch == "qwen2":
         cfg = Qwen2Config(**common)
+    elif arch == "opt":  # its mask code branches on one new token: a step per phase
+        from transformers import OPTConfig
+
+        common = {k: v for k, v in common.items() if k not in ("intermediate_size", "num_key_value_heads")}
+        cfg = OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64)
     else:
         raise AssertionError(arch)
     with torch.random.fork_rng(devices=[]):
@@ -93,14 +99,34 @@ def test_greedy_tokens_equal_sdpa_eager(arch, spelling, path):
 
 @pytest.mark.parametrize("strategy", ["fx", "inductor_partition"])
 def test_inductor_pieces(strategy):
-    ids, mask = _prompts([7, 3])
-    expected = _eager("llama", ids, mask, max_new_tokens=8)
+    """The first call has one sequence: transformers' ``logits_to_keep=1`` slice would have traced a
+    step guarded on batch 1 (lm_head's matmul folds the strided [B, 1, H] only then), and Inductor's
+    pieces built for it crashed or raised on the next, larger batch."""
     compiled = pw.compile(_build("llama", "piecewise"), _config(backend="inductor", split_strategy=strategy))
-    assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), expected)
-    ids, mask = _prompts([2, 11, 5], seed=7)  # another batch size and prompt lengths: the same compiled step
-    expected = _eager("llama", ids, mask, max_new_tokens=4)
-    assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4), expected)
+    # other batch sizes and prompt lengths after the first: the same compiled step
+    for seed, (lengths, new) in enumerate((([7], 8), ([2, 11, 5], 4), ([4, 6], 3))):
+        ids, mask = _prompts(lengths, seed=seed + 7)
+        expected = _eager("llama", ids, mask, max_new_tokens=new)
+        got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
+        assert torch.equal(got, expected), (lengths, got.tolist(), expected.tolist())
     assert counters.recompiles == 0 and counters.by_tag[f"{compiled.tag}_generate"].dynamo_traces == 1
+
+
+def test_a_step_that_branches_on_one_new_token_gets_a_step_per_phase(caplog):
+    """OPT's mask code branches on ``q_length == 1``: the step traced at the prompt is refused for a
+    decode step (one new token), so the route traces a step for that phase once, and both serve
+    every later call: tokens equal eager, one trace per phase, no recompile."""
+    caplog.set_level(logging.INFO, logger="piecewise")
+    compiled = pw.compile(_build("opt", "piecewise"), _config())
+    for seed, (lengths, new) in enumerate((([5, 9, 2], 6), ([3], 4), ([1, 7], 3))):
+        ids, mask = _prompts(lengths, seed=seed)
+        expected = _eager("opt", ids, mask, max_new_tokens=new)
+        got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
+        assert torch.equal(got, expected), (lengths, got.tolist(), expected.tolist())
+    assert "tracing a step for calls with one token" in caplog.text
+    for phase in ("", "_one_token"):
+        assert counters.by_tag[f"{compiled.tag}_generate{phase}"].dynamo_traces == 1, phase
+    assert f"{compiled.tag}_generate_many_tokens" not in counters.by_tag and counters.recompiles == 0
 
 
 def test_ten_generate_calls_of_any_batch_and_length_trace_once():

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import threading
 import weakref
 from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, InputError, SizeRefusedError
 from ..forward_context import RuntimeMode, current_forward_context
 from ..graphs.dispatch import batch_hint
 from ..ops import splitting_op
@@ -46,6 +47,8 @@ from ..ops import splitting_op
 __all__ = ["CACHED_ATTENTION_OP", "GenerationRoute", "GenerationStep", "hf_cached_attention", "generation_route"]
 
 CACHED_ATTENTION_OP = "piecewise_models::hf_cached_attention"
+
+log = logging.getLogger("piecewise")
 
 
 class StepAttention(NamedTuple):
@@ -251,9 +254,14 @@ class GenerationStep(torch.nn.Module):
             kv_valid = kv_valid[: input_ids.shape[0]]
         k_caches = tuple(getattr(self, f"k_cache_{i}") for i in range(self.num_layers))
         v_caches = tuple(getattr(self, f"v_cache_{i}") for i in range(self.num_layers))
+        # The last position as an index tensor, not transformers' ``logits_to_keep=1`` (a slice): the
+        # slice is a strided view [B, 1, H] that lm_head's matmul can fold into [B, H] without a copy
+        # only when B == 1, so a first call with one sequence traced a step guarded on B == 1 (which
+        # guard-free dispatch would not check). The gather makes [B, 1, H] contiguous at any B.
+        keep = torch.full((1,), -1, dtype=torch.long, device=input_ids.device) if self.last_logits_only else 0
         # The class's forward: ``self.model.forward`` may be the compiled model itself (generate()).
         out = type(self.model).forward(self.model, input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                       logits_to_keep=1 if self.last_logits_only else 0,
+                                       logits_to_keep=keep,
                                        pw_write_pos=write_pos,
                                        pw_mask=attention_mask_for_step(write_pos, kv_valid, self.k_cache_0.dtype),
                                        pw_k_caches=k_caches, pw_v_caches=v_caches,
@@ -376,6 +384,9 @@ class GenerationRoute:
         last_only = isinstance(keep, int) and not isinstance(keep, bool) and keep == 1
         compiled = self._ensure_compiled(input_ids.device, last_only, decode=new == 1 and last_only)
         decode_step = compiled is self.compiled.get((True, True))  # the decode step with graphs
+        phase = "one_token" if new == 1 else "many_tokens"
+        if not decode_step and (last_only, False, phase) in self.compiled:
+            compiled = self.compiled[(last_only, False, phase)]  # the general step refused this phase
         total = past + new
         valid = self.kv_valid
         mask = kwargs.get("attention_mask")
@@ -418,9 +429,22 @@ class GenerationRoute:
             # address: its batch is then the only dynamic size); the general step the batch's rows.
             # Its batches are uniform decode (one new token a row), so `full_and_piecewise` replays
             # full graphs there.
-            with batch_hint(uniform_decode=True) if decode_step else contextlib.nullcontext():
-                logits = compiled(input_ids, position_ids.expand(batch, new).contiguous(), write_pos,
-                                  valid if decode_step else valid[:batch])
+            def run(step: Any) -> torch.Tensor:
+                with batch_hint(uniform_decode=True) if decode_step else contextlib.nullcontext():
+                    return step(input_ids, position_ids.expand(batch, new).contiguous(), write_pos,
+                                valid if decode_step else valid[:batch])
+
+            try:
+                logits = run(compiled)
+            except SizeRefusedError as e:
+                # The general step's trace depends on the number of new tokens (a model's mask code
+                # branching on ``q_length == 1``, as OPT's does): it refused this call before running
+                # anything, so trace a step for this phase (one new token, or several) once.
+                if decode_step or (last_only, False, phase) in self.compiled:
+                    raise
+                log.info("[%s] %s; tracing a step for calls with %s", self.tag, e, phase.replace("_", " "))
+                compiled = self._ensure_compiled(input_ids.device, last_only, phase=phase)
+                logits = run(compiled)
         finally:
             _step_attention.reset(step_token)
             if assigned is not None:
@@ -583,14 +607,16 @@ class GenerationRoute:
             self._graphs = self.config.cudagraph_mode != "none" and resolve_platform(device.type) is not None
         return self._graphs
 
-    def _ensure_compiled(self, device: torch.device, last_only: bool, decode: bool = False) -> Any:
+    def _ensure_compiled(self, device: torch.device, last_only: bool, decode: bool = False, phase: str | None = None) -> Any:
         """The compiled step returning the last position's logits (`last_only`, tag
         ``<tag>_generate``: what ``generate()`` asks for with ``logits_to_keep=1``) or every
         position's (tag ``<tag>_generate_all_logits``: other calls), built on first use over one
         set of cache tensors; for a `decode` call where graphs apply, the decode step with graphs
-        (tag ``<tag>_generate_decode``, see the module doc)."""
+        (tag ``<tag>_generate_decode``, see the module doc). A `phase` (``"one_token"`` or
+        ``"many_tokens"``) gives a step for those calls only (tag suffix ``_<phase>``), made when
+        the general step's trace refused them."""
         decode = decode and last_only and self._graphs_apply(device)
-        key = (last_only, decode)
+        key = (last_only, decode) if phase is None else (last_only, False, phase)
         if key in self.compiled:
             return self.compiled[key]
         import dataclasses
@@ -618,7 +644,8 @@ class GenerationRoute:
             return compiled
         # Batch and token dims are both dynamic, so size and range compiles (keyed by one token
         # count) do not apply to the step, nor do graphs: one symbolic compile serves it.
-        config = dataclasses.replace(self.config, tag=f"{self.tag}_generate" + ("" if last_only else "_all_logits"),
+        suffix = ("" if last_only else "_all_logits") + ("" if phase is None else f"_{phase}")
+        config = dataclasses.replace(self.config, tag=f"{self.tag}_generate{suffix}",
                                      compile_sizes=(), compile_ranges=(), cudagraph_mode="none",
                                      cudagraph_capture_sizes=None,
                                      max_num_tokens=max(self.config.max_num_tokens, self.max_num_seqs, self.max_model_len))
