@@ -30,7 +30,7 @@ from .compilers.inductor import dispatch_symbol
 from .compilers.partition import uncuttable_ops
 from .config import CompilationConfig
 from .counters import counters
-from .compiled import (CompiledForward, CompiledPlan, Load, Rebuild, Reuse, RunnerSpec, SizeRefusal, Step, StitchedForward,
+from .compiled import (CompiledForward, CompiledPlan, Load, Rebuild, Reuse, RunnerSpec, SIZE_REMEDY, SizeRefusal, Step, StitchedForward,
                        build_forward)
 from .errors import CompileError, ConfigError, RecompileError
 from .ops import op_exists, resolve_splitting_ops
@@ -78,6 +78,7 @@ class PiecewiseBackend:
         self._mixing: list[str] = []
         #: graph inputs that are the forward's own arguments (`_argument_inputs`), set by the trace
         self._argument_inputs: tuple[int, ...] = ()
+        self._input_names: list[str] = []  # graph inputs as the user names them, for messages
         self._cache_meta: dict[str, Any] | None = None
 
     # what tests and tools read, from the compiled result
@@ -128,6 +129,7 @@ class PiecewiseBackend:
         graph_hash = hashlib.sha256(gm.code.encode()).hexdigest()  # before splitting rewrites the graph
         self._mixing = self._token_mixing(gm, example_inputs)
         self._argument_inputs = _argument_inputs(gm)
+        self._input_names = _input_names(gm)
         t0 = time.perf_counter()
         split = self._split(gm)
         self.timings["split"] = time.perf_counter() - t0
@@ -283,10 +285,10 @@ class PiecewiseBackend:
                       if sym_index is not None else None)
         # under "backed" dynamic shapes sizes 0 and 1 are refused by the call signature already
         lo = 2 if self.config.dynamic_shapes == "backed" else 1
-        refusal = (size_refusal(fake_mode.shape_env, fake_inputs, symbol, lo, self.config.max_num_tokens)
+        refusal = (size_refusal(fake_mode.shape_env, fake_inputs, self._input_names, lo, self.config.max_num_tokens)
                    if symbol is not None else None)
-        if refusal is not None:
-            log.warning("[%s] %s", self.tag, refusal.reason)
+        if refusal is not None and refusal.warning:
+            log.warning("[%s] %s; other sizes are refused. %s", self.tag, refusal.warning, SIZE_REMEDY)
         plan = None
         if all(s is not None for s in steps.values()):
             plan = CompiledPlan(
@@ -460,99 +462,201 @@ def _argument_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
     return tuple(out)
 
 
-def size_refusal(shape_env: Any, fake_inputs: Sequence[Any], dispatch: Any, lo: int, max_num_tokens: int) -> SizeRefusal | None:
-    """The shape guards on the dynamic sizes that some sizes in ``[lo, max_num_tokens]`` fail, as a
-    `SizeRefusal` evaluated on every call; None when every guard holds for every size.
+def size_refusal(shape_env: Any, fake_inputs: Sequence[Any], input_names: Sequence[str], lo: int,
+                 max_num_tokens: int) -> SizeRefusal | None:
+    """What the trace decided from the dynamic sizes, as a `SizeRefusal` checked on every call;
+    None when it holds for every size.
 
     Dispatch is guard-free, so whatever the trace decided from a size is frozen to the first call's
     sizes: a Python branch (``if x.shape[0] > 4``), a view that is one only when a batch is 1 (a
-    strided ``[B, 1, H]`` folded into ``[B, H]`` by matmul's decomposition), two dims taken to be
-    equal. The guard Dynamo or a piece's compile recorded says which sizes that code is right for.
-    Every dynamic size is at most ``max_num_tokens`` (the call signature checks), so a guard on one
-    size is evaluated at every size; a guard on several at a grid of sizes (both ends, the small
-    ones, the traced ones, a middle one) - enough to find one that the trace specialised, which is
-    then checked on every call. Guards on symbols that are no input size (unbacked ones) are left
-    out: a trace with those refuses at trace time instead."""
+    strided ``[B, 1, H]`` folded into ``[B, H]`` by matmul's decomposition), two input dims taken
+    to be equal (one symbol for both, or one a multiple of the other). The guards Dynamo and the
+    pieces' compiles recorded say which sizes that code is right for. Every dynamic size is at most
+    ``max_num_tokens`` (the call signature checks), so a guard on one size is evaluated at every
+    size in ``[lo, max_num_tokens]``; a guard on several at a grid (both ends, the small sizes, the
+    traced ones, a middle one). Each guard is turned into a Python function once (about a
+    microsecond a size). A guard a size fails (or cannot be evaluated at, such as a division by
+    zero) is kept and checked on each call; a tie between input dims is always kept.
+
+    Raises:
+        CompileError: a guard that some sizes fail reads the size of an input the graph does not
+            take (forward read only its shape), so no call could be checked against it.
+    """
     import itertools
 
     import sympy
 
     hi = max_num_tokens
-    getters: dict[Any, tuple[int, int | None]] = {}
+    getters: dict[Any, tuple[int, int | None]] = {}  # symbol -> (graph input, dim or None for a SymInt)
+    names: dict[Any, str] = {}
+    tensor_dim_of: set[Any] = set()  # symbols already read from a tensor's dim
+    ties: list[tuple[Any, Any]] = []  # (symbol made for an input dim, the expression the trace gave it)
     for i, x in enumerate(fake_inputs):
         dims = [(None, x)] if isinstance(x, torch.SymInt) else (
             list(enumerate(x.shape)) if isinstance(x, torch.Tensor) else [])
         for d, size in dims:
-            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                getters.setdefault(size.node.expr, (i, d))
-    names = {v: "token count" if v == dispatch else _dim_name(shape_env, v) for v in getters}
+            if not isinstance(size, torch.SymInt):
+                continue
+            expr = size.node.expr
+            where = input_names[i] if d is None else f"{input_names[i]}.shape[{d}]"
+            if isinstance(expr, sympy.Symbol) and (expr not in getters or (d is not None and expr not in tensor_dim_of)):
+                getters.setdefault(expr, (i, d))
+                if d is not None or expr not in names:  # named by the first tensor dim that has it
+                    names[expr] = where if d is not None else _dim_name(shape_env, expr, where)
+            elif d is not None:  # this dim's size is another dim's (or an expression of them): check it
+                own = sympy.Symbol(f"pw_dim_{i}_{d}", integer=True, nonnegative=True)
+                getters[own], names[own] = (i, d), where
+                ties.append((own, expr))
+            if d is not None and isinstance(expr, sympy.Symbol):
+                tensor_dim_of.add(expr)
     ranges = getattr(shape_env, "var_to_range", {})
     hints = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", {})
 
     def probes(sym: Any) -> list[int]:
-        pick = {lo, lo + 1, lo + 2, 3, 4, 7, hi // 2, hi - 1, hi, int(hints.get(sym, lo))}
+        pick = {lo, lo + 1, lo + 2, 3, 4, 5, 7, 8, 16, hi // 2, hi - 1, hi, int(hints.get(sym, lo))}
         return sorted(n for n in pick if lo <= n <= hi)
 
-    kept: list[Any] = []
-    where: list[str] = []
-    spans: dict[Any, list[int]] = {}  # per symbol with a guard of its own: the sizes it is right for
     candidates: list[tuple[Any, str]] = []
-    for sym in getters:
-        vr = ranges.get(sym)
-        if vr is not None:
-            vlo, vhi = _bound(vr.lower, lo), _bound(vr.upper, hi)
-            if vlo > lo or vhi < hi:
-                candidates.append((sympy.And(sympy.Ge(sym, vlo), sympy.Le(sym, vhi)), "the range Dynamo inferred"))
     for g in getattr(shape_env, "guards", ()):
         sloc = str(getattr(g, "sloc", "?")).strip()  # "<line>  # <file:line> in <fn> (<torch's frame>)"
         candidates.append((g.expr, sloc.rsplit(" (", 1)[0].strip() if sloc.endswith(")") else sloc))
+    for sym in list(getters):  # after the guards: a range they already explain is not repeated
+        vr = ranges.get(sym)
+        if vr is not None:
+            vlo, vhi = _bound(vr.lower, lo), _bound(vr.upper, hi)
+            if vlo > lo:
+                candidates.append((sympy.Ge(sym, vlo), "the range Dynamo inferred"))
+            if vhi < hi:
+                candidates.append((sympy.Le(sym, vhi), "the range Dynamo inferred"))
+    refused: dict[Any, set[int]] = {}  # per symbol, the sizes its own guards refuse
+    kept: list[Any] = []
+    notes: list[str] = []
+    warn: list[str] = []
+    replace = getattr(shape_env, "replace", lambda e: e)  # a symbol the trace equated with another: that one
     for expr, at in candidates:
+        expr = replace(expr)
         syms = expr.free_symbols
-        if not syms or not syms <= getters.keys():
+        if not syms:
             continue
+        if not syms <= getters.keys():
+            missing = [v for v in syms if v not in getters and v in hints]
+            if missing and _fails_somewhere(expr, sorted(syms, key=str), lambda v: probes(v) if v in hints else [], lo, hi):
+                shown = expr.xreplace({v: sympy.Symbol(names.get(v) or _dim_name(shape_env, v, str(v))) for v in syms})
+                raise CompileError(
+                    f"the traced code depends on {', '.join(_dim_name(shape_env, v, str(v)) for v in missing)} ({shown} at "
+                    f"{at}), the size of an input the graph does not take (forward reads only its shape), so guard-free "
+                    "dispatch could not check it on later calls. Pass the size as an int argument, or make forward "
+                    "independent of it")
+            continue  # symbols of no input (unbacked): a trace with those refuses at trace time
         order = sorted(syms, key=str)
-        if len(order) == 1:
-            grid: Any = [(n,) for n in range(lo, hi + 1)]
-        else:
-            grid = itertools.islice(itertools.product(*(probes(v) for v in order)), 20000)
-        try:
-            failed = [p for p in grid if not bool(expr.xreplace({v: sympy.Integer(n) for v, n in zip(order, p)}))]
-        except TypeError as e:  # an expression sympy cannot decide for numbers: say so, keep going
-            log.debug("size guard %s not evaluated (%s)", expr, e)
-            continue
+        grid: Any = ([(n,) for n in range(lo, hi + 1)] if len(order) == 1
+                     else itertools.islice(itertools.product(*(probes(v) for v in order)), 50000))
+        failed = _failing_points(expr, order, grid)
         if not failed:
             continue
-        kept.append(expr)
-        where.append(f"{expr.xreplace({v: sympy.Symbol(names[v]) for v in order})} at {at}")
+        shown = expr.xreplace({v: sympy.Symbol(names[v]) for v in order})
+        note = f"the trace took {shown} at {at}"
         if len(order) == 1:
             bad = {p[0] for p in failed}
-            spans[order[0]] = [n for n in spans.get(order[0], range(lo, hi + 1)) if n not in bad]
+            if at == "the range Dynamo inferred" and bad <= refused.get(order[0], set()):
+                continue
+            refused.setdefault(order[0], set()).update(bad)
+            ok = [n for n in range(lo, hi + 1) if n not in bad]
+            span = f"{ok[0]}..{ok[-1]}" if ok and ok[-1] - ok[0] + 1 == len(ok) else f"in {len(ok)} of the sizes"
+            note += f", so it is right only for {names[order[0]]} {span} (of {lo}..{hi})"
+        kept.append(expr)
+        notes.append(note)
+        warn.append(note)
+    for own, expr in ties:
+        if not expr.free_symbols <= getters.keys():
+            continue
+        kept.append(sympy.Eq(own, expr))
+        shown = expr.xreplace({v: sympy.Symbol(names[v]) for v in expr.free_symbols})
+        notes.append(f"the trace took {names[own]} == {shown} (inputs must keep the sizes' relation of the first call)")
     if not kept:
         return None
-    syms = sorted({v for e in kept for v in e.free_symbols}, key=lambda v: (v != dispatch, str(v)))
-    rights = []
-    for v, ok in spans.items():
-        span = f"{ok[0]}..{ok[-1]}" if ok and ok[-1] - ok[0] + 1 == len(ok) else f"{len(ok)} of them"
-        rights.append(f"only for {'token counts' if v == dispatch else names[v]} {span} of {lo}..{hi}")
-    reason = (f"the traced code depends on the dynamic sizes ({'; '.join(where)}), so it is right "
-              f"{', '.join(rights) or 'only for sizes that satisfy that'}; other sizes are refused. Make forward "
-              "independent of the size there, or compile each size class as a model of its own (CompilationConfig(tag=...))")
+    syms = sorted({v for e in kept for v in e.free_symbols}, key=str)
     return SizeRefusal(dims=tuple((*getters[v], names[v]) for v in syms), symbols=tuple(syms), guards=tuple(kept),
-                       reason=reason)
+                       notes=tuple(notes), warning="; ".join(warn))
 
 
-def _dim_name(shape_env: Any, symbol: Any) -> str:
+def _failing_points(expr: Any, order: list[Any], grid: Any) -> list[tuple[int, ...]]:
+    """The points of `grid` (size tuples for the symbols in `order`) where `expr` is false or
+    cannot be evaluated (a division by zero). A Python function of the expression is made once
+    (`sympy.lambdify`, torch's size functions mapped to Python's); where that fails, each point is
+    substituted into the expression (tens of microseconds a point)."""
+    import sympy
+
+    try:
+        fn = sympy.lambdify(order, expr, modules=[_SIZE_FUNCTIONS, "math"])
+    except Exception as e:  # an expression lambdify cannot print: substitute instead
+        log.debug("size guard %s not made a Python function (%s)", expr, e)
+        fn = None
+    undefined = (ArithmeticError, TypeError, ValueError)  # a division by zero, an undecidable relation
+    out = []
+    for p in grid:
+        try:
+            ok = bool(fn(*p)) if fn is not None else bool(expr.xreplace({v: sympy.Integer(n) for v, n in zip(order, p)}))
+        except NameError:  # a function the mapping lacks: substitute from here on
+            fn = None
+            try:
+                ok = bool(expr.xreplace({v: sympy.Integer(n) for v, n in zip(order, p)}))
+            except undefined:
+                ok = False
+        except undefined:  # a size the expression is undefined at: refuse it
+            ok = False
+        if not ok:
+            out.append(p)
+    return out
+
+
+def _fails_somewhere(expr: Any, order: list[Any], probes: Callable[[Any], list[int]], lo: int, hi: int) -> bool:
+    import itertools
+
+    grid = itertools.islice(itertools.product(*(probes(v) or [lo] for v in order)), 50000)
+    return bool(_failing_points(expr, order, grid))
+
+
+def _floor_div(a: Any, b: Any) -> Any:
+    return a // b
+
+
+#: torch's sympy size functions (torch.utils._sympy.functions) as Python on ints, for lambdify
+_SIZE_FUNCTIONS: dict[str, Any] = {
+    "FloorDiv": _floor_div, "CleanDiv": _floor_div, "IntTrueDiv": lambda a, b: a / b, "FloatTrueDiv": lambda a, b: a / b,
+    "ModularIndexing": lambda a, b, c: (a // b) % c, "Mod": lambda a, b: a % b, "PythonMod": lambda a, b: a % b,
+    "Max": max, "Min": min, "TruncToInt": int, "ToFloat": float, "Identity": lambda a: a,
+    "FloorToInt": lambda a: int(__import__("math").floor(a)), "CeilToInt": lambda a: int(__import__("math").ceil(a)),
+    "PowByNatural": lambda a, b: a ** b, "FloatPow": lambda a, b: float(a) ** b,
+}
+
+
+def _dim_name(shape_env: Any, symbol: Any, default: str) -> str:
     """The dim a size symbol was made for, as the user writes it (``L['x'].size()[0]`` ->
-    ``x.shape[0]``), or the symbol's name."""
-    import re
-
+    ``x.shape[0]``), else `default`."""
     sources = getattr(shape_env, "var_to_sources", {}).get(symbol) or []
     if not sources:
-        return str(symbol)
+        return default
     name = sources[0].name
-    name = name() if callable(name) else name
+    return _pretty_source(name() if callable(name) else name)
+
+
+def _pretty_source(name: str) -> str:
+    """A Dynamo source name as the user writes it: ``L['x'].size()[0]`` -> ``x.shape[0]``."""
+    import re
+
     name = re.sub(r"L\['([^']+)'\]", r"\1", name)
     return re.sub(r"\.size\(\)\[(\d+)\]", r".shape[\1]", name)
+
+
+def _input_names(gm: torch.fx.GraphModule) -> list[str]:
+    """Each graph input's name for messages: its Dynamo source as the user writes it, else the
+    placeholder's name."""
+    out = []
+    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        name = node.meta.get(SOURCE_META) or getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+        out.append(_pretty_source(name) if isinstance(name, str) else node.name)
+    return out
 
 
 def _bound(v: Any, default: int) -> int:

@@ -25,7 +25,7 @@ from .ops import direct_call
 from .piece import DispatchState, EntryTable, PieceRunner
 from .split import SplitResult, fx_forward
 
-__all__ = ["Load", "Reuse", "Rebuild", "Step", "RunnerSpec", "SizeRefusal", "CompiledPlan", "CompiledForward", "StitchedForward",
+__all__ = ["Load", "Reuse", "Rebuild", "Step", "RunnerSpec", "SIZE_REMEDY", "SizeRefusal", "CompiledPlan", "CompiledForward", "StitchedForward",
            "build_forward"]
 
 
@@ -62,45 +62,61 @@ class RunnerSpec:
     fingerprint: str
 
 
+#: what a user can do about a size refusal (`SizeRefusal`)
+SIZE_REMEDY = ("Make forward independent of the size there, or compile each size class as a model of its own "
+               "(CompilationConfig(tag=...))")
+
+
 @dataclasses.dataclass(frozen=True)
 class SizeRefusal:
     """Dynamic sizes the traced code is wrong for, and why (`backend.size_refusal`).
 
     Dispatch skips Dynamo's guards, so a shape guard that the trace or a piece's compile placed on
-    the dynamic sizes (a Python branch on a size, a view that holds only for one batch size, two
-    dims that must be equal) is kept here and evaluated on the call's sizes instead; a call that
-    fails one raises `SizeRefusedError` (an `InputError`) instead of running code specialised for
-    other sizes.
+    the dynamic sizes (a Python branch on a size, a view that holds only for one batch size, an
+    input dim taken to equal another) is kept here and evaluated on the call's sizes instead; a
+    call that fails one raises `SizeRefusedError` (an `InputError`) instead of running code
+    specialised for other sizes.
 
     Attributes:
         dims: per size the guards read, ``(position among the graph's inputs, dim of that tensor
-            or None for a SymInt input, name)``; the name is ``"token count"`` for the dispatch
-            size, else the dim as the user wrote it (``position_ids.shape[0]``).
+            or None for a SymInt input, name)``; the name is the dim as the user wrote it
+            (``position_ids.shape[0]``).
         symbols: the sympy symbol of each of `dims`, same order.
         guards: sympy expressions over `symbols` that must all hold.
-        reason: which sizes the trace is right for and the remedy.
+        notes: per guard, what the trace took and where (the message of a refused call).
+        warning: the notes of the guards that specialise the trace (logged at compile; ties
+            between input dims are not warned about: they hold for consistent inputs).
     """
 
     dims: tuple[tuple[int, int | None, str], ...]
     symbols: tuple[Any, ...]
     guards: tuple[Any, ...]
-    reason: str
+    notes: tuple[str, ...]
+    warning: str
 
     def sizes(self, args: Sequence[Any]) -> tuple[int, ...]:
         """This call's value of each of `dims`."""
-        return tuple(int(args[i]) if d is None else args[i].shape[d] for i, d, _ in self.dims)
+        return tuple([int(args[i]) if d is None else args[i].shape[d] for i, d, _ in self.dims])
 
-    def holds(self, sizes: tuple[int, ...]) -> bool:
-        """Whether every guard holds at `sizes` (a few microseconds a guard; callers memoise)."""
+    def failing(self, sizes: tuple[int, ...]) -> list[str]:
+        """The notes of the guards that fail at `sizes` (one per dim); a guard that cannot be
+        evaluated there (a division by zero) fails. Tens of microseconds a guard; callers memoise."""
         import sympy
 
         env = {s: sympy.Integer(v) for s, v in zip(self.symbols, sizes)}
-        return all(bool(g.xreplace(env)) for g in self.guards)
+        out = []
+        for guard, note in zip(self.guards, self.notes):
+            try:
+                ok = bool(guard.xreplace(env))
+            except (ArithmeticError, TypeError, ValueError):  # undefined there (a division by zero)
+                ok = False
+            if not ok:
+                out.append(note)
+        return out
 
-    def error(self, tag: str, sizes: tuple[int, ...]) -> SizeRefusedError:
-        what = ", ".join(f"{name} {v}" if name == "token count" else f"{name} = {v}"
-                         for (_, _, name), v in zip(self.dims, sizes))
-        return SizeRefusedError(f"[{tag}] {what} refused: {self.reason}")
+    def error(self, tag: str, sizes: tuple[int, ...], failing: Sequence[str]) -> SizeRefusedError:
+        what = ", ".join(f"{name} = {v}" for (_, _, name), v in zip(self.dims, sizes))
+        return SizeRefusedError(f"[{tag}] {what} refused: {'; '.join(failing)}. {SIZE_REMEDY}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +161,7 @@ class StitchedForward:
                  sym_index: int | None, tag: str, max_num_tokens: int, refusal: SizeRefusal | None = None) -> None:
         self.forward = fx_forward(split_gm)
         self.refusal = refusal
-        self._sizes_ok: dict[tuple[int, ...], bool] = {}
+        self._sizes_failing: dict[tuple[int, ...], tuple[str, ...]] = {}  # the guards these sizes fail
         self.split_gm = split_gm
         self.table = table
         self.state = state
@@ -165,11 +181,11 @@ class StitchedForward:
         """Raise `SizeRefusedError` when this call's sizes fail a guard of `refusal`; each distinct tuple
         of sizes is evaluated once (all are <= max_num_tokens, so the memo stays bounded)."""
         sizes = self.refusal.sizes(args)
-        ok = self._sizes_ok.get(sizes)
-        if ok is None:
-            ok = self._sizes_ok[sizes] = self.refusal.holds(sizes)
-        if not ok:
-            raise self.refusal.error(self.tag, sizes)
+        failing = self._sizes_failing.get(sizes)
+        if failing is None:
+            failing = self._sizes_failing[sizes] = tuple(self.refusal.failing(sizes))
+        if failing:
+            raise self.refusal.error(self.tag, sizes, failing)
 
     def run_plain(self, *args: Any) -> Any:
         """One forward without graphs, at the call's own size.

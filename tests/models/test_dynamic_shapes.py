@@ -7,7 +7,7 @@ import torch
 
 import piecewise as pw
 from piecewise import CompilationConfig, counters
-from piecewise.errors import CompileError, ConfigError, InputError
+from piecewise.errors import CompileError, ConfigError, InputError, SizeRefusedError
 from piecewise.models import LlamaConfig, LlamaForCausalLM, hf
 from piecewise.tags import scoped_tags
 
@@ -94,12 +94,12 @@ def test_a_branch_on_the_size_is_refused_for_the_sizes_its_guard_excludes(mode, 
     cm = pw.compile(_BranchOnSize(), cfg, dynamic_arg_dims={"x": 0})
     x = torch.randn(6, 3)
     torch.testing.assert_close(cm(x), x * 2)
-    assert "depends on the dynamic sizes" in caplog.text and "5..16" in caplog.text
+    assert "the trace took x.shape[0] > 4" in caplog.text and "5..16" in caplog.text
     for n in (5, 16):
         x = torch.randn(n, 3)
         torch.testing.assert_close(cm(x), x * 2)
     for n in (2, 4):
-        with pytest.raises(InputError, match=r"token count \d refused: .*x.shape\[0\] > 4.*5..16"):
+        with pytest.raises(SizeRefusedError, match=r"x.shape\[0\] = \d refused: .*x.shape\[0\] > 4.*5..16"):
             cm(torch.randn(n, 3))
     torch._dynamo.reset()
     with scoped_tags():  # the first model still holds its tag: the second gets the same one (and its bundle)
@@ -139,7 +139,7 @@ def test_a_guard_on_a_size_other_than_the_token_count_is_refused(backend, tmp_pa
             tokens, x = torch.randn(n, generator=gen), torch.randn(1, t, 16, generator=gen)
             for got, want in zip(cm(tokens, x), model(tokens, x)):
                 torch.testing.assert_close(got, want)
-        assert "x.shape[0] 1..1 of 1..16" in caplog.text
+        assert "x.shape[0] 1..1 (of 1..16)" in caplog.text
         for b in (2, 3, 16):
             with pytest.raises(InputError, match=rf"x.shape\[0\] = {b} refused: .*Eq\(x.shape\[0\], 1\).*functional.linear"):
                 cm(torch.randn(4), torch.randn(b, 5, 16))
@@ -151,6 +151,64 @@ def test_a_guard_on_a_size_other_than_the_token_count_is_refused(backend, tmp_pa
         torch.testing.assert_close(warm(tokens, x)[1], model(tokens, x)[1])
         with pytest.raises(InputError, match=r"x.shape\[0\] = 2 refused"):
             warm(torch.randn(4), torch.randn(2, 5, 16))
+
+
+class _Tied(torch.nn.Module):
+    def forward(self, x, y):  # x + y makes the trace take y.shape[0] == x.shape[0]
+        return (x + y) * 2
+
+
+class _Double(torch.nn.Module):
+    def forward(self, x, y):
+        return y * 2 if y.shape[0] == 2 * x.shape[0] else y + 1
+
+
+class _PrunedInput(torch.nn.Module):
+    def forward(self, x, y):  # only y's size is read: the graph does not take y
+        return x * 2 if y.shape[0] > 4 else x + 1
+
+
+class _DivideBySize(torch.nn.Module):
+    def forward(self, x, y):  # the guard divides by y.shape[0] - 1, zero at size 1
+        return (x * 2 if x.shape[0] // (y.shape[0] - 1) > 2 else x + 1), y - 1
+
+
+def test_input_dims_the_trace_tied_are_checked_on_every_call():
+    """The trace gives y's dim x's symbol (or 2 * it): with the eager adaptor a y of 1 row would
+    broadcast, and the traced side of a branch on the relation would run, silently."""
+    cfg = CompilationConfig(backend="eager", mode="full", max_num_tokens=16)
+    tied = pw.compile(_Tied(), cfg, dynamic_arg_dims={"x": 0, "y": 0})
+    torch.testing.assert_close(tied(torch.ones(4, 3), torch.ones(4, 3)), torch.full((4, 3), 4.0))
+    with pytest.raises(SizeRefusedError, match=r"y.shape\[0\] == x.shape\[0\]"):
+        tied(torch.ones(5, 3), torch.ones(1, 3))
+    double = pw.compile(_Double(), CompilationConfig(backend="eager", mode="full", max_num_tokens=16, tag="double"),
+                        dynamic_arg_dims={"x": 0, "y": 0})
+    y = torch.randn(6, 3)
+    torch.testing.assert_close(double(torch.randn(3, 3), y), y * 2)
+    torch.testing.assert_close(double(torch.randn(5, 3), torch.ones(10, 3)), torch.full((10, 3), 2.0))
+    with pytest.raises(SizeRefusedError, match=r"y.shape\[0\] = 5, x.shape\[0\] = 4 refused: .*y.shape\[0\] == 2\*x.shape\[0\]"):
+        double(torch.randn(4, 3), torch.randn(5, 3))
+
+
+def test_a_guard_on_an_input_the_graph_does_not_take_is_a_compile_error():
+    cm = pw.compile(_PrunedInput(), CompilationConfig(backend="eager", mode="full", max_num_tokens=16),
+                    dynamic_arg_dims={"x": 0, "y": 0})
+    with pytest.raises(CompileError, match=r"y.shape\[0\] > 4 .*the size of an input the graph does not take"):
+        cm(torch.randn(6, 3), torch.randn(6, 3))
+
+
+def test_a_guard_undefined_at_some_sizes_refuses_them():
+    """x.shape[0] // (y.shape[0] - 1) is a division by zero at y.shape[0] == 1: refused there, not
+    a crash of the compile."""
+    model = _DivideBySize()
+    cm = pw.compile(model, CompilationConfig(backend="eager", mode="full", max_num_tokens=16), dynamic_arg_dims={"x": 0, "y": 0})
+    for n, m in ((9, 2), (12, 4), (16, 3)):
+        x, y = torch.randn(n, 3), torch.randn(m, 3)
+        for got, want in zip(cm(x, y), model(x, y)):
+            torch.testing.assert_close(got, want)
+    for n, m in ((9, 1), (4, 3)):
+        with pytest.raises(SizeRefusedError, match=rf"y.shape\[0\] = {m}, x.shape\[0\] = {n} refused"):
+            cm(torch.randn(n, 3), torch.randn(m, 3))
 
 
 def test_the_mode_is_validated_and_in_the_cache_key():

@@ -23,7 +23,9 @@ padded for, capture sizes up to `max_num_seqs` (a pad row writes the cache at a 
 of the call uses, and attends its own position plus whatever positions earlier calls left valid in
 that slot; no real row reads a pad row's slot). Its batches are uniform decode, so
 ``full_and_piecewise`` replays full graphs there. So generation shows two traces on a GPU
-(prefill, decode) and one on the CPU. Left padding works through the 2-D ``attention_mask``: pad
+(prefill, decode) and one on the CPU, unless the model's step code branches on a size: a step
+refuses the sizes its trace is wrong for, and the route traces another general step for them
+(``<tag>_generate_2``; OPT's mask code branches on one new token), at most `MAX_GENERAL_STEPS`. Left padding works through the 2-D ``attention_mask``: pad
 positions are never attended by real tokens. ``use_cache=False`` runs the whole sequence each step
 through the same compiled step.
 """
@@ -49,6 +51,10 @@ __all__ = ["CACHED_ATTENTION_OP", "GenerationRoute", "GenerationStep", "hf_cache
 CACHED_ATTENTION_OP = "piecewise_models::hf_cached_attention"
 
 log = logging.getLogger("piecewise")
+
+#: general generation steps per kind of logits, at most: one trace per phase (prompt, one new
+#: token) and room for one more size class; past that a refusal reaches the caller
+MAX_GENERAL_STEPS = 3
 
 
 class StepAttention(NamedTuple):
@@ -320,7 +326,11 @@ class GenerationRoute:
         self.step: GenerationStep | None = None
         #: compiled steps by (whether they return only the last position's logits, whether they are the
         #: decode step with graphs), each traced on first use
-        self.compiled: dict[tuple[bool, bool], Any] = {}
+        self.compiled: dict[tuple, Any] = {}
+        #: per kind of logits (last position only?), the general steps after the first (`_run_general`)
+        self._more_steps: dict[bool, list[Any]] = {}
+        #: per (kind of logits, one new token?), which general step served the last such call
+        self._served_last: dict[tuple[bool, bool], int] = {}
         self._graphs: bool | None = None
         self.kv_valid: torch.Tensor | None = None
         self._cache_ref: Any = None
@@ -384,9 +394,6 @@ class GenerationRoute:
         last_only = isinstance(keep, int) and not isinstance(keep, bool) and keep == 1
         compiled = self._ensure_compiled(input_ids.device, last_only, decode=new == 1 and last_only)
         decode_step = compiled is self.compiled.get((True, True))  # the decode step with graphs
-        phase = "one_token" if new == 1 else "many_tokens"
-        if not decode_step and (last_only, False, phase) in self.compiled:
-            compiled = self.compiled[(last_only, False, phase)]  # the general step refused this phase
         total = past + new
         valid = self.kv_valid
         mask = kwargs.get("attention_mask")
@@ -434,17 +441,10 @@ class GenerationRoute:
                     return step(input_ids, position_ids.expand(batch, new).contiguous(), write_pos,
                                 valid if decode_step else valid[:batch])
 
-            try:
+            if decode_step:
                 logits = run(compiled)
-            except SizeRefusedError as e:
-                # The general step's trace depends on the number of new tokens (a model's mask code
-                # branching on ``q_length == 1``, as OPT's does): it refused this call before running
-                # anything, so trace a step for this phase (one new token, or several) once.
-                if decode_step or (last_only, False, phase) in self.compiled:
-                    raise
-                log.info("[%s] %s; tracing a step for calls with %s", self.tag, e, phase.replace("_", " "))
-                compiled = self._ensure_compiled(input_ids.device, last_only, phase=phase)
-                logits = run(compiled)
+            else:
+                compiled, logits = self._run_general(compiled, last_only, new == 1, input_ids.device, run)
         finally:
             _step_attention.reset(step_token)
             if assigned is not None:
@@ -463,6 +463,36 @@ class GenerationRoute:
         if cache is not None:
             out["cache"] = cache
         return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
+
+    def _run_general(self, first: Any, last_only: bool, one_token: bool, device: torch.device,
+                     run: Any) -> tuple[Any, torch.Tensor]:
+        """Run a general step on this call, returning the step that served it and its logits.
+
+        A step's trace can depend on the sizes (a model's mask code branching on ``q_length == 1``,
+        as OPT's does); the step then refuses other sizes before running anything
+        (`SizeRefusedError`). The steps made so far are tried, the one that served the last call
+        of the same phase (one new token, or several) first; when all refuse, one more is traced
+        at this call's sizes (tag ``<tag>_generate_<n>``), at most `MAX_GENERAL_STEPS` in all."""
+        steps = [first, *self._more_steps.setdefault(last_only, [])]
+        start = self._served_last.get((last_only, one_token), 0)
+        error: SizeRefusedError | None = None
+        for i in [start, *(j for j in range(len(steps)) if j != start)]:
+            try:
+                logits = run(steps[i])
+            except SizeRefusedError as e:
+                error = e
+                continue
+            self._served_last[(last_only, one_token)] = i
+            return steps[i], logits
+        assert error is not None
+        if len(steps) >= MAX_GENERAL_STEPS:
+            raise error
+        log.info("[%s] %s; tracing generation step %d for such calls", self.tag, error, len(steps) + 1)
+        step = self._ensure_compiled(device, last_only, number=len(steps) + 1)
+        self._more_steps[last_only].append(step)
+        logits = run(step)
+        self._served_last[(last_only, one_token)] = len(steps)
+        return step, logits
 
     @contextlib.contextmanager
     def generating(self) -> Any:
@@ -607,16 +637,16 @@ class GenerationRoute:
             self._graphs = self.config.cudagraph_mode != "none" and resolve_platform(device.type) is not None
         return self._graphs
 
-    def _ensure_compiled(self, device: torch.device, last_only: bool, decode: bool = False, phase: str | None = None) -> Any:
+    def _ensure_compiled(self, device: torch.device, last_only: bool, decode: bool = False, number: int = 1) -> Any:
         """The compiled step returning the last position's logits (`last_only`, tag
         ``<tag>_generate``: what ``generate()`` asks for with ``logits_to_keep=1``) or every
         position's (tag ``<tag>_generate_all_logits``: other calls), built on first use over one
         set of cache tensors; for a `decode` call where graphs apply, the decode step with graphs
-        (tag ``<tag>_generate_decode``, see the module doc). A `phase` (``"one_token"`` or
-        ``"many_tokens"``) gives a step for those calls only (tag suffix ``_<phase>``), made when
-        the general step's trace refused them."""
+        (tag ``<tag>_generate_decode``, see the module doc). A `number` above 1 makes another
+        general step (tag suffix ``_<number>``) for calls the earlier ones refused
+        (`_run_general`)."""
         decode = decode and last_only and self._graphs_apply(device)
-        key = (last_only, decode) if phase is None else (last_only, False, phase)
+        key = (last_only, decode) if number == 1 else (last_only, False, number)
         if key in self.compiled:
             return self.compiled[key]
         import dataclasses
@@ -644,7 +674,7 @@ class GenerationRoute:
             return compiled
         # Batch and token dims are both dynamic, so size and range compiles (keyed by one token
         # count) do not apply to the step, nor do graphs: one symbolic compile serves it.
-        suffix = ("" if last_only else "_all_logits") + ("" if phase is None else f"_{phase}")
+        suffix = ("" if last_only else "_all_logits") + ("" if number == 1 else f"_{number}")
         config = dataclasses.replace(self.config, tag=f"{self.tag}_generate{suffix}",
                                      compile_sizes=(), compile_ranges=(), cudagraph_mode="none",
                                      cudagraph_capture_sizes=None,
