@@ -15,7 +15,9 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -41,9 +43,24 @@ from .split import SplitResult, fx_forward, is_splitting_node, split_graph
 from .tags import unique_tag
 from .targets import CompileTarget
 
-__all__ = ["PiecewiseBackend", "StitchedForward", "dynamo_backend"]
+__all__ = ["PiecewiseBackend", "StitchedForward", "dynamo_backend", "size_refusals_handled"]
 
 log = logging.getLogger("piecewise")
+
+_refusals_handled: ContextVar[bool] = ContextVar("piecewise_size_refusals_handled", default=False)
+
+
+@contextmanager
+def size_refusals_handled() -> Iterator[None]:
+    """Compiles inside this block belong to a caller that catches `SizeRefusedError` and serves
+    the refused sizes with another compile (the generation route: one step per phase when a
+    model's code branches on one new token). A trace specialised to some sizes is then logged at
+    INFO, not as the WARNING that tells a direct caller its other sizes will raise."""
+    token = _refusals_handled.set(True)
+    try:
+        yield
+    finally:
+        _refusals_handled.reset(token)
 
 
 def remote_tier(config: CompilationConfig) -> Any:
@@ -288,7 +305,10 @@ class PiecewiseBackend:
         refusal = (size_refusal(fake_mode.shape_env, fake_inputs, self._input_names, lo, self.config.max_num_tokens)
                    if symbol is not None else None)
         if refusal is not None and refusal.warning:
-            log.warning("[%s] %s; other sizes are refused. %s", self.tag, refusal.warning, SIZE_REMEDY)
+            if _refusals_handled.get():
+                log.info("[%s] %s; the caller serves other sizes with other compiles", self.tag, refusal.warning)
+            else:
+                log.warning("[%s] %s; other sizes are refused. %s", self.tag, refusal.warning, SIZE_REMEDY)
         plan = None
         if all(s is not None for s in steps.values()):
             plan = CompiledPlan(

@@ -65,6 +65,8 @@ class RunnerSpec:
 #: what a user can do about a size refusal (`SizeRefusal`)
 SIZE_REMEDY = ("Make forward independent of the size there, or compile each size class as a model of its own "
                "(CompilationConfig(tag=...))")
+#: distinct size tuples whose guard results `StitchedForward` memoises (about 100 bytes each)
+SIZES_MEMOISED = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +180,16 @@ class StitchedForward:
         return self.run_plain(*args)
 
     def _check_sizes(self, args: tuple) -> None:
-        """Raise `SizeRefusedError` when this call's sizes fail a guard of `refusal`; each distinct tuple
-        of sizes is evaluated once (all are <= max_num_tokens, so the memo stays bounded)."""
+        """Raise `SizeRefusedError` when this call's sizes fail a guard of `refusal`. A tuple of
+        sizes is evaluated once (tens of microseconds a guard) and memoised; the memo holds at most
+        `SIZES_MEMOISED` tuples (two dynamic dims up to 4096 would otherwise allow 16 M)."""
         sizes = self.refusal.sizes(args)
         failing = self._sizes_failing.get(sizes)
         if failing is None:
-            failing = self._sizes_failing[sizes] = tuple(self.refusal.failing(sizes))
+            failing = tuple(self.refusal.failing(sizes))
+            if len(self._sizes_failing) >= SIZES_MEMOISED:
+                self._sizes_failing.clear()  # bounded: the sizes in use fill it again within a few calls
+            self._sizes_failing[sizes] = failing
         if failing:
             raise self.refusal.error(self.tag, sizes, failing)
 

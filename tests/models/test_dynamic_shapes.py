@@ -110,6 +110,27 @@ def test_a_branch_on_the_size_is_refused_for_the_sizes_its_guard_excludes(mode, 
         warm(torch.randn(3, 3))
 
 
+def test_the_memo_of_checked_sizes_stays_bounded(monkeypatch):
+    """Each distinct tuple of sizes is checked once and memoised; past `SIZES_MEMOISED` tuples the
+    memo starts again, and a size checked before is still served or refused as its guard says."""
+    from piecewise import compiled as compiled_module
+
+    monkeypatch.setattr(compiled_module, "SIZES_MEMOISED", 3)
+    cm = pw.compile(_BranchOnSize(), CompilationConfig(backend="eager", mode="full", max_num_tokens=16),
+                    dynamic_arg_dims={"x": 0})
+    stitched = None
+    for n in (6, 5, 7, 2, 8, 9, 3, 5, 10, 2, 6):
+        x = torch.randn(n, 3)
+        if n > 4:
+            torch.testing.assert_close(cm(x), x * 2)
+        else:
+            with pytest.raises(SizeRefusedError, match=rf"x.shape\[0\] = {n} refused"):
+                cm(x)
+        if stitched is None:
+            stitched = cm.backend.result.stitched
+        assert 1 <= len(stitched._sizes_failing) <= 3, n
+
+
 class _LastPositionProjection(torch.nn.Module):
     """Tokens [N] (the token count) and a batch x [B, T, 16]: x[:, -1:] is a strided [B, 1, 16] view
     that matmul folds into [B, 16] without a copy only when B == 1, so a trace at B == 1 records the

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..backend import size_refusals_handled
 from ..errors import ConfigError, InputError, SizeRefusedError
 from ..forward_context import RuntimeMode, current_forward_context
 from ..graphs.dispatch import batch_hint
@@ -476,21 +477,22 @@ class GenerationRoute:
         steps = [first, *self._more_steps.setdefault(last_only, [])]
         start = self._served_last.get((last_only, one_token), 0)
         error: SizeRefusedError | None = None
-        for i in [start, *(j for j in range(len(steps)) if j != start)]:
-            try:
-                logits = run(steps[i])
-            except SizeRefusedError as e:
-                error = e
-                continue
-            self._served_last[(last_only, one_token)] = i
-            return steps[i], logits
-        assert error is not None
-        if len(steps) >= MAX_GENERAL_STEPS:
-            raise error
-        log.info("[%s] %s; tracing generation step %d for such calls", self.tag, error, len(steps) + 1)
-        step = self._ensure_compiled(device, last_only, number=len(steps) + 1)
-        self._more_steps[last_only].append(step)
-        logits = run(step)
+        with size_refusals_handled():  # a step's first call traces it: its refusals are ours to serve
+            for i in [start, *(j for j in range(len(steps)) if j != start)]:
+                try:
+                    logits = run(steps[i])
+                except SizeRefusedError as e:
+                    error = e
+                    continue
+                self._served_last[(last_only, one_token)] = i
+                return steps[i], logits
+            assert error is not None
+            if len(steps) >= MAX_GENERAL_STEPS:
+                raise error
+            log.info("[%s] %s; tracing generation step %d for such calls", self.tag, error, len(steps) + 1)
+            step = self._ensure_compiled(device, last_only, number=len(steps) + 1)
+            self._more_steps[last_only].append(step)
+            logits = run(step)
         self._served_last[(last_only, one_token)] = len(steps)
         return step, logits
 
