@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import textwrap
 from collections import Counter
 
@@ -155,10 +156,17 @@ def _flip(path: str, rng: random.Random) -> None:
     open(path, "wb").write(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "index", "rechecksummed_junk"])
-def test_corrupt_bundle_falls_back_to_tracing_with_one_warning(tmp_path, damage):
-    root = str(tmp_path / "c")
+@pytest.fixture(scope="module")
+def two_split_root(tmp_path_factory) -> str:
+    """A cache root filled by one cold `two_split` worker process; tests damage copies of it."""
+    root = str(tmp_path_factory.mktemp("two_split") / "c")
     run_worker(root, "--model", "two_split")
+    return root
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "index", "rechecksummed_junk"])
+def test_corrupt_bundle_falls_back_to_tracing_with_one_warning(tmp_path, two_split_root, damage):
+    root = shutil.copytree(two_split_root, str(tmp_path / "c"))  # a cache root can move (§5.2)
     path = bundle_file(root)
     rng = random.Random(damage)
     if damage == "flip":
