@@ -146,7 +146,7 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
                 if p is not None:
                     addresses[path] = p.data_ptr()
         for aname, v in m.__dict__.items():
-            if aname in _MODULE_INTERNALS or aname.startswith("__"):
+            if aname in _SKIPPED or aname.startswith("__"):
                 continue
             if isinstance(v, torch.Tensor):
                 layout[prefix + aname] = _tensor_state(v)
@@ -160,6 +160,12 @@ _PRIMITIVES = (int, float, bool, str, bytes, type(None), complex, torch.dtype, t
 #: attributes every nn.Module has (parameter/buffer/submodule dicts, hook dicts, flags): described
 #: through their own entries, never as plain attributes
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"forward"}  # forward: the class's is traced
+#: plain attributes that code outside forward keeps on a model for itself and no forward reads:
+#: transformers' ``generate()`` stores the length of the last static cache it built on the model
+#: (``_previous_max_cache_length``, transformers/generation/utils.py, to size the next one), so
+#: every generate() with a longer static cache would count as a change and trace again
+_NOT_READ_BY_FORWARD = frozenset({"_previous_max_cache_length"})
+_SKIPPED = _MODULE_INTERNALS | _NOT_READ_BY_FORWARD
 
 
 def _value(v: Any, depth: int = 2) -> Any:

@@ -405,6 +405,85 @@ def test_inputs_embeds_and_a_reused_cache_are_typed_errors():
         del model.forward
 
 
+def test_past_key_values_filled_by_an_eager_call_are_refused_on_both_paths():
+    """A prefix cache from the eager model: generate() fed only the 4 tokens past its 6 positions,
+    which the route wrote at cache positions 0..3 of its own (empty) cache and attended without
+    the prefix: other tokens, no error. Refused by name; the model serves the next generate()."""
+    from transformers import DynamicCache
+
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config())
+    ids, mask = _prompts([10])
+    with torch.no_grad():
+        prefix = _build("llama", "sdpa")(ids[:, :6], use_cache=True).past_key_values
+    assert isinstance(prefix, DynamicCache) and prefix.get_seq_length() == 6
+    kw = dict(attention_mask=mask, cache=prefix, do_sample=False, max_new_tokens=4)
+    with pytest.raises(pw.InputError, match=r"the cache passed in \(cache= / past_key_values=\) already holds 6 "
+                                            "positions that piecewise did not compute"):
+        compiled.generate(ids, **kw)
+    model.forward = compiled
+    try:
+        with pytest.raises(pw.InputError, match="already holds 6 positions"):
+            model.generate(ids, **kw)
+    finally:
+        del model.forward
+    expected = _eager("llama", ids, mask, max_new_tokens=4)
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4), expected)
+
+
+def test_static_cache_calls_of_growing_length_keep_one_trace():
+    """transformers' generate() records the length of the static cache it built on the model
+    (`_previous_max_cache_length`); each longer one counted as module state the trace read, so
+    every such call traced again (recompiles 1, 2, 3)."""
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    recorded = []
+    for i, (lengths, new) in enumerate([([4, 3], 4), ([8], 4), ([12, 5], 6), ([20, 2, 9], 5)]):
+        ids, mask = _prompts(lengths, seed=i)
+        got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, cache_implementation="static")
+        assert torch.equal(got, _eager("llama", ids, mask, max_new_tokens=new, cache_implementation="static")), i
+        recorded.append(compiled.module._previous_max_cache_length)
+    assert recorded == sorted(set(recorded)), recorded  # transformers did record a longer length each call
+    assert counters.by_tag[f"{compiled.tag}_generate"].dynamo_traces == 1 and counters.recompiles == 0
+
+
+def test_inputs_generation_cannot_serve_are_typed_errors_naming_the_cause():
+    """Each used to fail otherwise: token ids outside the vocabulary raised IndexError (eager
+    adaptor) or an untyped kernel bounds error (Inductor); a cap from max_position_embeddings was
+    reported as max_model_len with a remedy that changed nothing; dynamic rotary scaling failed
+    inside the trace as 'Data-dependent branching'; layer types that are not windows were told to
+    lower max_model_len to a window."""
+    from transformers import LlamaConfig, Lfm2Config
+
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    ids, mask = _prompts([5])
+    for bad in (512, -1):
+        wrong = ids.clone()
+        wrong[0, -1] = bad
+        with pytest.raises(pw.InputError, match=rf"token id {bad}, outside the vocabulary 0..511"):
+            compiled.generate(wrong, attention_mask=mask, do_sample=False, max_new_tokens=2)
+    short = pw.compile(_tiny(LlamaConfig, num_key_value_heads=2, max_position_embeddings=32), _config(max_model_len=1024))
+    ids, mask = _prompts([30])
+    with pytest.raises(pw.InputError, match=r"needs 40 positions, above the model's max_position_embeddings=32 \(it caps "
+                                            r"CompilationConfig.max_model_len=1024\)"):
+        short.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
+    dynamic = _tiny(LlamaConfig, num_key_value_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(pw.ConfigError, match=r"dynamic rotary scaling \(rope_type='dynamic' in model.rotary_emb\)"):
+        pw.compile(dynamic, _config())
+    with pytest.raises(pw.ConfigError, match=r"types \['conv'\]; .*mode='none', or generate without piecewise$"):
+        pw.compile(_tiny(Lfm2Config, num_key_value_heads=2, layer_types=["conv", "full_attention"]), _config())
+    assert counters.dynamo_traces == 0
+
+
+def test_the_engine_refuses_token_ids_outside_the_vocabulary():
+    from piecewise.models import LlamaConfig as DecoderConfig
+    from piecewise.models import greedy_decode
+
+    config = DecoderConfig(vocab_size=256)
+    with pytest.raises(pw.InputError, match=r"prompt 1 holds token id 256, outside the vocabulary 0..255 "
+                                            r"\(LlamaConfig.vocab_size=256\)"):
+        greedy_decode(lambda *a: None, [[1, 2], [3, 256]], 2, config=config)
+
+
 def test_a_generation_nested_in_another_on_the_same_model_is_refused():
     """A streamer that generates with the same compiled model: the inner generation overwrote the
     outer one's cache rows and the outer one went on with wrong tokens."""

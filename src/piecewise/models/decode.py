@@ -134,9 +134,9 @@ def greedy_decode(
             are never projected onto the vocabulary.
 
     Raises:
-        InputError: empty prompts, mismatched `arrival_steps` or `max_new_tokens`, more slots than
-            the model has, or a request too long for `max_seq_len` (naming the request, the
-            limit and the config field).
+        InputError: empty prompts, token ids outside `config`'s vocabulary, mismatched
+            `arrival_steps` or `max_new_tokens`, more slots than the model has, or a request too
+            long for `max_seq_len` (naming the request, the limit and the config field).
     """
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(limits) != len(prompts):
@@ -151,6 +151,12 @@ def greedy_decode(
     where = "the max_seq_len argument"
     if config is not None:
         name = type(config).__name__
+        vocab = getattr(config, "vocab_size", None)
+        if isinstance(vocab, int):
+            bad = next(((i, t) for i, p in enumerate(prompts) for t in p if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InputError(f"prompt {bad[0]} holds token id {bad[1]}, outside the vocabulary 0..{vocab - 1} "
+                                 f"({name}.vocab_size={vocab}); tokenize with the model's own tokenizer")
         if max_num_seqs is not None and max_num_seqs > config.max_num_seqs:
             raise InputError(f"max_num_seqs={max_num_seqs} exceeds the model's {config.max_num_seqs} sequence slots "
                              f"({name}.max_num_seqs); more requests than slots simply queue")

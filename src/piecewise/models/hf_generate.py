@@ -306,6 +306,17 @@ _GENERATION_KWARGS = ("cache", "past_key_values", "use_cache", "attention_mask",
 _UNSUPPORTED = ("inputs_embeds", "labels", "output_attentions", "output_hidden_states", "token_type_ids")
 
 
+def _positions_held(cache: Any) -> int:
+    """Positions a transformers cache object holds (its ``get_seq_length()``; 0 for an object
+    without one). Piecewise's attention never writes transformers' cache objects, so a cache that
+    holds positions was filled by something else."""
+    length = getattr(cache, "get_seq_length", None)
+    if not callable(length):
+        return 0
+    held = length()
+    return int(held) if isinstance(held, (int, torch.Tensor)) else 0
+
+
 class GenerationRoute:
     """Serves a compiled transformers causal LM's calls in the generation convention (see module
     doc). Built by `generation_route`; called by `piecewise.CompiledModel` for every call, it
@@ -323,6 +334,12 @@ class GenerationRoute:
         self.max_num_seqs = config.max_num_seqs
         #: cache positions: the config's, capped by the model's own position limit
         self.max_model_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", None) or config.max_model_len)
+        #: the limit named by refusals above `max_model_len`, and what raises it
+        if self.max_model_len < config.max_model_len:
+            self._length_limit = (f"the model's max_position_embeddings={self.max_model_len} (it caps "
+                                  f"CompilationConfig.max_model_len={config.max_model_len}); shorten")
+        else:
+            self._length_limit = f"max_model_len={self.max_model_len}; raise CompilationConfig(max_model_len=...) or shorten"
         #: the step generate() uses (last position's logits); its caches are every step's caches
         self.step: GenerationStep | None = None
         #: compiled steps by (whether they return only the last position's logits, whether they are the
@@ -364,6 +381,16 @@ class GenerationRoute:
                              "at a time and its rows were overwritten. Finish one generate() before the next, compile a "
                              "second model (another tag) for concurrent generations, or pass the whole sequence without "
                              "past_key_values")
+        held = _positions_held(cache) if cache is not None and not continuing else 0
+        if held:
+            # A cache transformers or another model filled (a prefix cache, or the past_key_values of
+            # an eager call): generate() feeds only the tokens past it, whose keys and values would be
+            # attended against piecewise's own cache, which holds none of the prefix.
+            raise InputError(f"[{self.tag}] the cache passed in (cache= / past_key_values=) already holds {held} positions "
+                             "that piecewise did not compute (a prefix cache filled by an eager call or another model); "
+                             "piecewise's generation KV cache starts empty with each generate() and cannot take them "
+                             "over. Pass the whole sequence to generate() without a cache, or use "
+                             "attn_implementation='sdpa'")
         if not self._step_lock.acquire(blocking=False):
             raise InputError(f"[{self.tag}] two generation steps at once on this compiled model (two threads): piecewise's "
                              "KV cache holds one generation at a time; compile a second model (another tag) per thread")
@@ -389,8 +416,7 @@ class GenerationRoute:
                              "CompilationConfig(max_num_seqs=...) or generate in smaller batches")
         if past + new > self.max_model_len:
             raise InputError(f"[{self.tag}] {past + new} positions (prompt plus generated tokens) do not fit the KV cache of "
-                             f"max_model_len={self.max_model_len}; raise CompilationConfig(max_model_len=...) or shorten the "
-                             "prompt / max_new_tokens")
+                             f"{self._length_limit} the prompt / max_new_tokens")
         keep = kwargs.get("logits_to_keep", 0)
         last_only = isinstance(keep, int) and not isinstance(keep, bool) and keep == 1
         compiled = self._ensure_compiled(input_ids.device, last_only, decode=new == 1 and last_only)
@@ -518,7 +544,8 @@ class GenerationRoute:
         """Before ``generate()`` runs: the batch and prompt plus new tokens fit the KV cache.
 
         Raises:
-            InputError: naming `max_num_seqs` or `max_model_len` (the same limits a step checks).
+            InputError: naming `max_num_seqs` or `max_model_len` (the same limits a step checks), or
+                a token id outside the model's vocabulary.
         """
         gen_cfg = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
         speculative = [k for k in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
@@ -530,6 +557,14 @@ class GenerationRoute:
         ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return
+        embed = getattr(self.model, "get_input_embeddings", lambda: None)()
+        vocab = getattr(embed, "num_embeddings", None)
+        if isinstance(vocab, int) and ids.numel() and not ids.is_floating_point():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= vocab:
+                # eager raises IndexError in the embedding; a compiled kernel's bounds check is untyped
+                raise InputError(f"[{self.tag}] input_ids hold token id {low if low < 0 else high}, outside the vocabulary "
+                                 f"0..{vocab - 1} (the input embedding's rows); tokenize with the model's own tokenizer")
         new = kwargs.get("max_new_tokens", getattr(gen_cfg, "max_new_tokens", None) if "max_length" not in kwargs else None)
         total = ids.shape[1] + new if new is not None else kwargs.get("max_length", getattr(gen_cfg, "max_length", None))
         def setting(name: str) -> int:
@@ -545,8 +580,7 @@ class GenerationRoute:
                              f"{self.max_num_seqs}; raise CompilationConfig(max_num_seqs=...) or generate in smaller batches")
         if total is not None and total > self.max_model_len:
             raise InputError(f"[{self.tag}] prompt of {ids.shape[1]} tokens plus {total - ids.shape[1]} new ones needs {total} "
-                             f"positions, above max_model_len={self.max_model_len}; raise CompilationConfig(max_model_len=...) "
-                             "or shorten the prompt / max_new_tokens")
+                             f"positions, above {self._length_limit} the prompt / max_new_tokens")
 
     def _check_layers_reach_cache(self, compiled: Any) -> None:
         """After a step's first call (its trace or warm start): every attention layer must have
@@ -709,11 +743,21 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
     else:
         sliding = window is not None and getattr(cfg, "use_sliding_window", True)
         other = []
-    if other or (sliding and not (isinstance(window, int) and window >= max_len)):
-        what = (f"attention layers of types {other}" if other
-                else f"a sliding window of {window} positions, below max_model_len={max_len}")
-        raise ConfigError(f"{type(module).__name__} has {what}; the piecewise generation KV "
+    if other:
+        raise ConfigError(f"{type(module).__name__} has attention layers of types {other}; the piecewise generation KV "
                           "cache implements full causal attention only. Compile it with attn_implementation='sdpa' and "
-                          "mode='none', lower CompilationConfig(max_model_len=...) to the window, or generate without "
-                          "piecewise")
+                          "mode='none', or generate without piecewise")
+    if sliding and not (isinstance(window, int) and window >= max_len):
+        raise ConfigError(f"{type(module).__name__} has a sliding window of {window} positions, below max_model_len="
+                          f"{max_len}; the piecewise generation KV cache implements full causal attention only. Compile "
+                          "it with attn_implementation='sdpa' and mode='none', lower CompilationConfig(max_model_len=...) "
+                          "to the window, or generate without piecewise")
+    # Dynamic NTK rotary scaling recomputes its frequencies when a sequence outgrows the longest
+    # seen so far, a branch on tensor values no single trace holds (transformers' dynamic_rope_update)
+    dynamic = sorted({name or "model" for name, m in module.named_modules() if getattr(m, "rope_type", None) == "dynamic"})
+    if dynamic:
+        raise ConfigError(f"{type(module).__name__} uses dynamic rotary scaling (rope_type='dynamic' in {dynamic[0]}), "
+                          "which recomputes its frequencies from the longest sequence seen so far, a data-dependent "
+                          "branch piecewise cannot trace once for all lengths; generate with attn_implementation='sdpa', "
+                          "or use a fixed rope_type ('linear', 'llama3', 'yarn')")
     return route
