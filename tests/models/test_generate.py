@@ -419,7 +419,7 @@ def test_past_key_values_filled_by_an_eager_call_are_refused_on_both_paths():
     assert isinstance(prefix, DynamicCache) and prefix.get_seq_length() == 6
     kw = dict(attention_mask=mask, cache=prefix, do_sample=False, max_new_tokens=4)
     with pytest.raises(pw.InputError, match=r"the cache passed in \(cache= / past_key_values=\) already holds 6 "
-                                            "positions that piecewise did not compute"):
+                                            "positions that piecewise's generation KV cache does not"):
         compiled.generate(ids, **kw)
     model.forward = compiled
     try:
@@ -429,6 +429,35 @@ def test_past_key_values_filled_by_an_eager_call_are_refused_on_both_paths():
         del model.forward
     expected = _eager("llama", ids, mask, max_new_tokens=4)
     assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4), expected)
+
+
+def _decoding_loop(model, ids, steps, **first):
+    """Greedy tokens of a hand-written decoding loop: the prompt in one call, then one token a
+    call with the cache object the previous call returned."""
+    tokens = ids
+    with torch.no_grad():
+        out = model(ids, **first)
+        for _ in range(steps):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], 1)
+            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def test_a_decoding_loop_that_passes_back_the_returned_cache_equals_eager():
+    """A first call with use_cache=True and no cache object returned none, so the loop's next call
+    started a new sequence and attended its token alone: other tokens, no error. The route now
+    starts a cache object as transformers' forward does. A first call without generation
+    arguments runs the model's own forward, which fills transformers' cache object, not
+    piecewise's: passing that one back is refused, not continued from an empty cache."""
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    ids, _ = _prompts([7])
+    expected = _decoding_loop(_build("llama", "sdpa"), ids, 4, use_cache=True)
+    assert torch.equal(_decoding_loop(compiled, ids, 4, use_cache=True), expected)
+    assert torch.equal(expected, _eager("llama", ids, torch.ones_like(ids), max_new_tokens=4))  # clear margins
+    with pytest.raises(pw.InputError, match="already holds 7 positions .* a call of this compiled model without generation"):
+        _decoding_loop(compiled, ids, 1)
+    assert counters.recompiles == 0
 
 
 def test_static_cache_calls_of_growing_length_keep_one_trace():

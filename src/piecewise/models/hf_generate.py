@@ -373,6 +373,14 @@ class GenerationRoute:
         if input_ids.dim() != 2:
             raise InputError(f"[{self.tag}] input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        use_cache = kwargs.get("use_cache")
+        if cache is None and (use_cache if use_cache is not None else getattr(self.model.config, "use_cache", False)):
+            # As transformers' forward does: a call that caches without a cache object starts one and
+            # returns it, so a loop that passes it back continues this sequence (without it, the
+            # next call started over and attended its token alone)
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
         continuing = cache is not None and self._is_current(cache)
         if cache is not None and not continuing and self._was_served(cache):
             raise InputError(f"[{self.tag}] a generation resumed after another generation on this compiled model started "
@@ -383,14 +391,15 @@ class GenerationRoute:
                              "past_key_values")
         held = _positions_held(cache) if cache is not None and not continuing else 0
         if held:
-            # A cache transformers or another model filled (a prefix cache, or the past_key_values of
-            # an eager call): generate() feeds only the tokens past it, whose keys and values would be
-            # attended against piecewise's own cache, which holds none of the prefix.
+            # A cache transformers or another model filled (a prefix cache, the past_key_values of an
+            # eager call or of the model's own forward): generate() feeds only the tokens past it,
+            # which would be attended against piecewise's own cache, holding none of the prefix.
             raise InputError(f"[{self.tag}] the cache passed in (cache= / past_key_values=) already holds {held} positions "
-                             "that piecewise did not compute (a prefix cache filled by an eager call or another model); "
-                             "piecewise's generation KV cache starts empty with each generate() and cannot take them "
-                             "over. Pass the whole sequence to generate() without a cache, or use "
-                             "attn_implementation='sdpa'")
+                             "that piecewise's generation KV cache does not (filled by an eager call, another model, or a "
+                             "call of this compiled model without generation arguments); piecewise's cache starts empty "
+                             "with each new cache object and cannot take them over. Pass the whole sequence without a "
+                             "cache, start the sequence with use_cache=True so the cache this model returns continues "
+                             "it, or use attn_implementation='sdpa'")
         if not self._step_lock.acquire(blocking=False):
             raise InputError(f"[{self.tag}] two generation steps at once on this compiled model (two threads): piecewise's "
                              "KV cache holds one generation at a time; compile a second model (another tag) per thread")
