@@ -2,6 +2,7 @@
 attn_implementation="sdpa" eager, for both entry paths, every cache spelling, left-padded batches,
 and one trace for any batch size and prompt length."""
 
+import contextlib
 import itertools
 import logging
 
@@ -71,6 +72,16 @@ def _config(**kw):
     kw.setdefault("backend", "eager")
     kw.setdefault("max_model_len", 256)
     return CompilationConfig(max_num_tokens=256, **kw)
+
+
+@contextlib.contextmanager
+def _forward_assigned(model, compiled):
+    """The torch.compile pattern: ``model.forward = compiled`` for the block, then undone."""
+    model.forward = compiled
+    try:
+        yield model
+    finally:
+        del model.forward
 
 
 _SPELLINGS = {"dynamic_cache": {}, "static_cache": {"cache_implementation": "static"}, "no_cache": {"use_cache": False}}
@@ -397,12 +408,9 @@ def test_inputs_embeds_and_a_reused_cache_are_typed_errors():
         compiled.generate(repeating, **kw)
     # the forward-assigned path: the first step holds the prompt and the candidates, then
     # transformers crops the rejected ones from its cache, which piecewise's cannot follow
-    model.forward = compiled
-    try:
+    with _forward_assigned(model, compiled):
         with pytest.raises(pw.InputError, match="crop the KV cache"):
             model.generate(repeating, **kw)
-    finally:
-        del model.forward
 
 
 def test_past_key_values_filled_by_an_eager_call_are_refused_on_both_paths():
@@ -421,12 +429,9 @@ def test_past_key_values_filled_by_an_eager_call_are_refused_on_both_paths():
     with pytest.raises(pw.InputError, match=r"the cache passed in \(cache= / past_key_values=\) already holds 6 "
                                             "positions that piecewise's generation KV cache does not"):
         compiled.generate(ids, **kw)
-    model.forward = compiled
-    try:
+    with _forward_assigned(model, compiled):
         with pytest.raises(pw.InputError, match="already holds 6 positions"):
             model.generate(ids, **kw)
-    finally:
-        del model.forward
     expected = _eager("llama", ids, mask, max_new_tokens=4)
     assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4), expected)
 
@@ -537,12 +542,9 @@ def test_a_generation_nested_in_another_on_the_same_model_is_refused():
 
     with pytest.raises(pw.InputError, match=r"while another generate\(\) on it runs"):
         compiled.generate(ids, streamer=Nested(lambda: compiled.generate(ids, **kw)), **kw)
-    model.forward = compiled
-    try:
+    with _forward_assigned(model, compiled):
         with pytest.raises(pw.InputError, match="a generation resumed after another generation"):
             model.generate(ids, streamer=Nested(lambda: model.generate(ids, **kw)), **kw)
-    finally:
-        del model.forward
     # the route is free again afterwards, and right
     with torch.no_grad():
         assert torch.equal(compiled.generate(ids, **kw), _eager("llama", ids, mask, max_new_tokens=4))
