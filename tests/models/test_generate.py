@@ -508,6 +508,20 @@ def test_inputs_generation_cannot_serve_are_typed_errors_naming_the_cause():
     assert counters.dynamo_traces == 0
 
 
+def test_a_model_without_a_findable_embedding_still_generates(monkeypatch):
+    """The vocabulary check asks transformers for the input embedding, which raises
+    NotImplementedError for a model it cannot find one in; generate() then goes on unchecked."""
+    model = _build("llama", "piecewise")
+
+    def not_found():
+        raise NotImplementedError("no input embedding")
+
+    monkeypatch.setattr(model, "get_input_embeddings", not_found)
+    ids, mask = _prompts([5, 3])
+    got = pw.compile(model, _config()).generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    assert torch.equal(got, _eager("llama", ids, mask, max_new_tokens=3))
+
+
 def test_the_engine_refuses_token_ids_outside_the_vocabulary():
     from piecewise.models import LlamaConfig as DecoderConfig
     from piecewise.models import greedy_decode

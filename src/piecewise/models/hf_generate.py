@@ -566,7 +566,10 @@ class GenerationRoute:
         ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return
-        embed = getattr(self.model, "get_input_embeddings", lambda: None)()
+        try:  # transformers raises NotImplementedError where it cannot find a model's embedding
+            embed = getattr(self.model, "get_input_embeddings", lambda: None)()
+        except NotImplementedError:
+            embed = None
         vocab = getattr(embed, "num_embeddings", None)
         if isinstance(vocab, int) and ids.numel() and not ids.is_floating_point():
             low, high = int(ids.min()), int(ids.max())
