@@ -175,14 +175,15 @@ def test_greedy_decode_rejects_requests_beyond_max_seq_len(model):
         greedy_decode(model, [[1] * 10], 8, max_seq_len=16)
 
 
-@pytest.mark.parametrize("order", ["runs", "interleaved", "decode", "one_token"])
-def test_attention_by_sequence_equals_the_gathered_attention(order):
-    """The by-sequence path (one SDPA a run of one sequence's tokens over a view of its cache rows:
-    no mask for a decode token, is_causal for a whole prompt, a mask otherwise) against the gather
-    path: a mixed batch (two prefills, one from position 0, decode tokens, a slot used twice) in
-    runs and shuffled, a decode batch (fewer tokens than slots: the CPU gathers the rows up to the
-    longest sequence only), and one token (the CPU's by-sequence path with no mask)."""
-    from piecewise.models.llama import _attention_by_sequence, _cached_attention, _gathered_attention
+@pytest.mark.parametrize("order", ["runs", "interleaved", "decode", "one_token", "first_token"])
+def test_cpu_attention_paths_equal_the_gathered_attention(order):
+    """Every CPU path of the attention op against the gather path (the one full graphs use) over
+    the same cache with this step's keys and values written: a mixed batch (two prefills, one
+    from position 0, decode tokens, a slot used twice) in runs and shuffled (more tokens than
+    slots: by sequence), a decode batch (fewer tokens than slots: rows gathered up to the longest
+    sequence only), one token (a batch-1 decode step: strided views, no mask), and one token at
+    position 0. The op must write exactly this step's cache rows."""
+    from piecewise.models.llama import _gathered_attention
 
     g = torch.Generator().manual_seed(3)
     slots, length, kv, heads, dim = 5, 24, 2, 6, 16
@@ -194,19 +195,37 @@ def test_attention_by_sequence_equals_the_gathered_attention(order):
         perm = torch.randperm(len(seq), generator=g).tolist()
         seq, pos = [seq[i] for i in perm], [pos[i] for i in perm]
     elif order == "decode":
-        seq, pos = [1, 2, 4], [17, 3, 20]  # the CPU gathers rows 0..20 only
+        seq, pos = [1, 2, 4], [17, 3, 20]
     elif order == "one_token":
         seq, pos = [2], [17]
+    elif order == "first_token":
+        seq, pos = [4], [0]
     seq, pos = torch.tensor(seq), torch.tensor(pos)
     q = torch.randn(len(seq), heads, dim, generator=g)
-    want = _gathered_attention(q, k_cache, v_cache, seq, pos, 0.25)
+    k, v = torch.randn(len(seq), kv, dim, generator=g), torch.randn(len(seq), kv, dim, generator=g)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[seq, pos], want_v[seq, pos] = k, v
+    want = _gathered_attention(q, want_k, want_v, seq, pos, 0.25)
     got = torch.full_like(q, float("nan"))  # every row must be written
-    if order in ("decode", "one_token"):
-        assert q.shape[0] <= slots  # a batch the gather path would take on a GPU without Triton
-        _cached_attention(q, k_cache, v_cache, seq, pos, 0.25, got)
-    else:
-        _attention_by_sequence(q, k_cache, v_cache, seq, pos, 0.25, got)
+    llama_attention(q, k, v, k_cache, v_cache, pos, seq, 0.25, got)
     torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # copies: exact
+
+
+def test_compute_logits_equals_the_full_projection():
+    """`compute_logits` (weight @ hidden^T, for the rows an engine samples) against `forward`'s
+    ``nn.Linear`` for one and several rows, with and without a bias: equal within float32
+    rounding, [rows, vocab_size]."""
+    model = LlamaForCausalLM(LlamaConfig(num_layers=1, vocab_size=300), seed=0)
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for bias in (False, True):
+        if bias:
+            model.lm_head.bias = torch.nn.Parameter(torch.randn(300))
+        for rows in (hidden[:1], hidden[2:5]):
+            with torch.no_grad():
+                got, want = model.compute_logits(rows), model.lm_head(rows)
+            assert got.shape == (rows.shape[0], 300)
+            torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
 
 
 def test_an_engine_projecting_only_sampled_rows_decodes_the_same_tokens(model):

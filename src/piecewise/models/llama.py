@@ -153,15 +153,69 @@ def llama_attention(
     if ctx is not None and ctx.runtime_mode == "full" and ctx.num_tokens_device is not None:
         _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, ctx.num_tokens_device, out)
         return
-    n = q.shape[0] if ctx is None else min(ctx.num_tokens, q.shape[0])
-    if n < q.shape[0]:  # pad rows: zero
+    t = q.shape[0]
+    n = t if ctx is None else min(ctx.num_tokens, t)
+    if n < t:  # pad rows: zero, and only the real rows go on (no views taken when there are none)
         out[n:].zero_()
-    if n == 0:
+        if n == 0:
+            return
+        q, k, v, out, positions, seq_ids = q[:n], k[:n], v[:n], out[:n], positions[:n], seq_ids[:n]
+    elif n == 0:
         return
-    pos, seq = positions[:n], seq_ids[:n]
-    k_cache.index_put_((seq, pos), k[:n])
-    v_cache.index_put_((seq, pos), v[:n])
-    _cached_attention(q[:n], k_cache, v_cache, seq, pos, scale, out[:n])
+    if q.device.type == "cpu" and not _use_triton(q):
+        _cpu_attention(q, k, v, k_cache, v_cache, positions, seq_ids, scale, out)
+        return
+    k_cache.index_put_((seq_ids, positions), k)
+    v_cache.index_put_((seq_ids, positions), v)
+    _cached_attention(q, k_cache, v_cache, seq_ids, positions, scale, out)
+
+
+def _cpu_attention(q, k, v, k_cache, v_cache, pos, seq, scale, out):
+    """`llama_attention`'s real rows on the CPU, where reading `seq` and `pos` on the host costs
+    no device sync: they are read once, and a single token (a batch-1 decode step) takes
+    `_attend_one_token`. A decode batch (at most
+    one token a slot, more than one token) gathers rows ``0..max(pos)`` (`_gathered_attention`);
+    more tokens than slots (a prefill in the batch) attend by sequence. Measured on SmolLM2's
+    shapes (30 layers, the engine's decode step): at batch 1 one SDPA over a view beat the gather
+    (45.5 against 47.9 ms a step, medians of 4 alternating calls in one process); at batch 8
+    per-sequence SDPA calls were 10 % slower than one gathered call over rows ``0..max(pos)``."""
+    slots, positions = seq.tolist(), pos.tolist()
+    if len(slots) == 1:
+        _attend_one_token(q, k, v, k_cache, v_cache, slots[0], positions[0], scale, out)
+        return
+    k_cache.index_put_((seq, pos), k)
+    v_cache.index_put_((seq, pos), v)
+    if len(slots) > k_cache.shape[0]:
+        _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out, (slots, positions))
+    else:
+        length = max(positions) + 1
+        out.copy_(_gathered_attention(q, k_cache[:, :length], v_cache[:, :length], seq, pos, scale))
+
+
+def _attend_one_token(q, k, v, k_cache, v_cache, slot, position, scale, out):
+    """One token (a batch-1 decode step) on the CPU: its key and value written into cache row
+    ``[slot, position]`` through a view, then one SDPA over a view of the slot's rows
+    ``0..position`` (every one visible: no mask, no gather). Each view is a single ``as_strided``
+    where indexing, transposing and unsqueezing took three or four dispatcher calls (the op
+    measured 95 us a layer before this path, 75 with the host reads shared, 67 with it, at
+    SmolLM2's shapes on 2 threads; 30 layers a step). Same arithmetic as `_attention_by_sequence`,
+    so the same values to the bit."""
+    keys = _slot_rows(k_cache, k, slot, position)
+    values = _slot_rows(v_cache, v, slot, position)
+    res = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale,
+                                                           enable_gqa=True)  # [1, num_heads, 1, head_dim]
+    out.copy_(res.view(out.shape))
+
+
+def _slot_rows(cache, new, slot, position):
+    """Write `new` ([1, num_kv_heads, head_dim]) into `cache` row ``[slot, position]`` and return
+    the slot's rows ``0..position`` as SDPA reads them, ``[1, num_kv_heads, position + 1,
+    head_dim]``: two ``as_strided`` views of `cache` ([slots, max_seq_len, num_kv_heads, head_dim])."""
+    s_seq, s_pos, s_head, s_dim = cache.stride()
+    kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    base = cache.storage_offset() + slot * s_seq
+    cache.as_strided((kv_heads, head_dim), (s_head, s_dim), base + position * s_pos).copy_(new.reshape(kv_heads, head_dim))
+    return cache.as_strided((1, kv_heads, position + 1, head_dim), (s_seq, s_head, s_pos, s_dim), base)
 
 
 def _cached_attention(q, k_cache, v_cache, seq, pos, scale, out):
@@ -175,26 +229,16 @@ def _cached_attention(q, k_cache, v_cache, seq, pos, scale, out):
       sequence over a view of its own cache rows, because the gather copies ``max_seq_len``
       cache rows per token (at a 1024-token prefill of SmolLM2's shape, 150 MB a layer for the
       keys alone);
-    * on the CPU, where reading `seq` and `pos` on the host costs no device sync: one token (a
-      batch-1 decode step) takes the same path, one SDPA over a view with no gather and no mask
-      (SmolLM2, 30 layers, the engine's decode step at batch 1: 45.5 against 47.9 ms with the
-      gather, medians of 4 alternating calls in one process); a decode batch (any batch of at
-      most one token a slot) gathers only rows ``0..max(pos)``, not the whole cache
-      (per-sequence SDPA calls measured 10 % slower than one gathered call at batch 8);
-    * otherwise (at most one token a slot, as in a decode batch, on another device; a short
-      prefill within that count takes it too): `_gathered_attention` over every cache row,
+    * otherwise (at most one token a slot, as in a decode batch; a short prefill within that
+      count takes it too): `_gathered_attention` over every cache row,
       one fused SDPA with grouped-query heads and a [n, max_seq_len] mask, reading nothing on the
       host (a GPU would sync per layer)."""
-    cpu = q.device.type == "cpu"
     if _use_triton(q):
         from .triton_attention import cached_attention
 
         cached_attention(q, k_cache, v_cache, seq, pos, scale, out)
-    elif q.shape[0] > k_cache.shape[0] or (cpu and q.shape[0] == 1):
+    elif q.shape[0] > k_cache.shape[0]:
         _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out)
-    elif cpu:
-        length = int(pos.max()) + 1
-        out.copy_(_gathered_attention(q, k_cache[:, :length], v_cache[:, :length], seq, pos, scale))
     else:
         out.copy_(_gathered_attention(q, k_cache, v_cache, seq, pos, scale))
 
@@ -256,7 +300,7 @@ def _gathered_attention(q, k_cache, v_cache, seq, pos, scale):
     return out.squeeze(2)
 
 
-def _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out):
+def _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out, host=None):
     """`_cached_attention` by sequence: each run of consecutive tokens of one sequence attends in
     one SDPA call over a view of its slot's cache rows ``0..max(pos)``; each run's result is
     written into its rows of `out`. A run of one token (a decode token) sees every row of that
@@ -268,7 +312,7 @@ def _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out):
     ``unique_consecutive``.
     Correct for any token order: every token sees exactly its sequence's rows ``0..pos``,
     written before any token attends."""
-    slots, positions = seq.tolist(), pos.tolist()
+    slots, positions = host if host is not None else (seq.tolist(), pos.tolist())
     n, start = len(slots), 0
     while start < n:
         slot, end = slots[start], start + 1
@@ -283,10 +327,12 @@ def _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out):
             causal = True
         elif count > 1:
             mask = (torch.arange(length, device=q.device)[None, :] <= pos[start:end, None])[None, None]  # [1, 1, count, length]
+        whole = count == n  # one run (a batch-1 step): no views of q and out
         res = torch.nn.functional.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+            (q if whole else q[start:end]).transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=causal,
+            scale=scale, enable_gqa=True
         )  # [1, num_heads, count, head_dim]
-        out[start:end].copy_(res[0].transpose(0, 1))
+        (out if whole else out[start:end]).copy_(res[0].transpose(0, 1))
         start = end
 
 
@@ -580,7 +626,7 @@ class LlamaForCausalLM(nn.Module):
         Writes each token's keys and values into the KV caches at ``[seq_ids, positions]``. Index
         ranges are not checked (that would need a data-dependent branch).
         """
-        return self.compute_logits(self.hidden_states(input_ids, positions, seq_ids))
+        return self.lm_head(self.hidden_states(input_ids, positions, seq_ids))
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
         """`forward` up to the final norm: [num_tokens, hidden_size] in `config.dtype` (same
@@ -593,8 +639,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden_size] -> [rows, vocab_size] logits: the vocabulary projection alone."""
-        return self.lm_head(hidden)
+        """[rows, hidden_size] -> [rows, vocab_size] logits (a transposed view when rows > 1): the
+        vocabulary projection alone, for the few rows an engine samples from. Computed as
+        ``weight @ hidden^T``, which at SmolLM2's 49152 x 576 weight took 7.7 against 7.9 ms for
+        one row and 8.5 against 17.0 ms for eight rows than `forward`'s ``hidden @ weight^T``
+        (``nn.Linear``) with this CPU's BLAS (medians of 5, 2 threads); equal within float
+        rounding."""
+        logits = (self.lm_head.weight @ hidden.T).T
+        return logits if self.lm_head.bias is None else logits + self.lm_head.bias
 
     def backbone(self) -> "LlamaBackbone":
         """A module whose ``forward`` is `hidden_states`, to compile for an engine that projects
