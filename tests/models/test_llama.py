@@ -212,6 +212,17 @@ def test_cpu_attention_paths_equal_the_gathered_attention(order):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # copies: exact
 
 
+@pytest.mark.parametrize("slot,position", [(0, 8), (0, -1), (2, 0)])
+def test_a_single_token_outside_the_cache_is_an_index_error_and_writes_nothing(slot, position):
+    """The one-token CPU path writes through a strided view, where a position past the slot's rows
+    would land in the next slot's: it raises as the index_put_ of the other paths does."""
+    k_cache, v_cache = torch.zeros(2, 8, 2, 8), torch.zeros(2, 8, 2, 8)
+    q, k, v = torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+    with pytest.raises(IndexError, match="outside the cache"):
+        llama_attention(q, k, v, k_cache, v_cache, torch.tensor([position]), torch.tensor([slot]), 0.25, torch.empty_like(q))
+    assert not k_cache.any() and not v_cache.any()
+
+
 def test_compute_logits_equals_the_full_projection():
     """`compute_logits` (weight @ hidden^T, for the rows an engine samples) against `forward`'s
     ``nn.Linear`` for one and several rows, with and without a bias: equal within float32

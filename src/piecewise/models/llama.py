@@ -210,7 +210,14 @@ def _attend_one_token(q, k, v, k_cache, v_cache, slot, position, scale, out):
 def _slot_rows(cache, new, slot, position):
     """Write `new` ([1, num_kv_heads, head_dim]) into `cache` row ``[slot, position]`` and return
     the slot's rows ``0..position`` as SDPA reads them, ``[1, num_kv_heads, position + 1,
-    head_dim]``: two ``as_strided`` views of `cache` ([slots, max_seq_len, num_kv_heads, head_dim])."""
+    head_dim]``: two ``as_strided`` views of `cache` ([slots, max_seq_len, num_kv_heads, head_dim]).
+
+    Raises:
+        IndexError: ``[slot, position]`` is outside the cache (as ``index_put_`` would)."""
+    if not (0 <= slot < cache.shape[0] and 0 <= position < cache.shape[1]):
+        # a view past a row would write another slot's row where index_put_ raises: raise too
+        raise IndexError(f"KV-cache row [{slot}, {position}] is outside the cache's {cache.shape[0]} slots x "
+                         f"{cache.shape[1]} positions")
     s_seq, s_pos, s_head, s_dim = cache.stride()
     kv_heads, head_dim = cache.shape[2], cache.shape[3]
     base = cache.storage_offset() + slot * s_seq
