@@ -81,6 +81,46 @@ def test_buffer_reassigned_with_the_same_layout_is_read_live_without_a_trace():
             torch.testing.assert_close(cm(ids), model(ids))
 
 
+class TiedHead(torch.nn.Module):
+    """An embedding and an output head that may share one weight, as language models tie them."""
+
+    def __init__(self, tied):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(32, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.ops.pw_test_state.attn(torch.relu(self.mid(self.emb(ids)))))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("tied", [True, False], ids=["untie", "tie"])
+def test_tying_or_untying_weights_after_compile_is_followed(tied, backend, caplog):
+    """The trace takes one tensor reached by two paths as one graph input: untied later (a new
+    Parameter of the same layout), the compiled code would read the embedding for the head too."""
+    model = TiedHead(tied).eval()
+    cm = _compile(model, backend)
+    gen = torch.Generator().manual_seed(1)
+    cm(torch.randint(0, 32, (5,), generator=gen))
+    with torch.no_grad():
+        if tied:
+            model.head.weight = torch.nn.Parameter(model.emb.weight.detach().clone())
+        else:
+            model.head.weight = model.emb.weight
+        model.emb.weight.add_(1.0)  # the two differ from here on unless tied
+    assert (model.head.weight is model.emb.weight) is not tied
+    with caplog.at_level(logging.INFO, logger="piecewise"), counters.expect(state_changes=1, recompiles=1):
+        for n in (5, 3, 11):
+            ids = torch.randint(0, 32, (n,), generator=gen)
+            with torch.no_grad():
+                torch.testing.assert_close(cm(ids), model(ids))
+    assert "head.weight <same tensor as>" in caplog.text and "tracing again" in caplog.text
+
+
 def test_in_place_weight_update_needs_nothing():
     model = Embedder().eval()
     cm = _compile(model)
