@@ -495,6 +495,19 @@ def test_inputs_generation_cannot_serve_are_typed_errors_naming_the_cause():
         wrong[0, -1] = bad
         with pytest.raises(pw.InputError, match=rf"token id {bad}, outside the vocabulary 0..511"):
             compiled.generate(wrong, attention_mask=mask, do_sample=False, max_new_tokens=2)
+        with _forward_assigned(compiled.module, compiled) as model:  # checked at the prompt's step, before its trace
+            with pytest.raises(pw.InputError, match=rf"token id {bad}, outside the vocabulary 0..511"):
+                model.generate(wrong, attention_mask=mask, do_sample=False, max_new_tokens=2)
+    # an empty prompt and float ids failed inside the trace (Dynamo's TorchRuntimeError)
+    for spell in ("compiled.generate", "forward_assigned"):
+        for wrong, match in ((torch.zeros(1, 0, dtype=torch.long), r"input_ids of shape \(1, 0\) hold no tokens"),
+                             (ids.float(), r"input_ids have dtype torch.float32; token ids are integers")):
+            with pytest.raises(pw.InputError, match=match):
+                if spell == "compiled.generate":
+                    compiled.generate(wrong, do_sample=False, max_new_tokens=2)
+                else:
+                    with _forward_assigned(compiled.module, compiled) as model:
+                        model.generate(wrong, do_sample=False, max_new_tokens=2)
     short = pw.compile(_tiny(LlamaConfig, num_key_value_heads=2, max_position_embeddings=32), _config(max_model_len=1024))
     ids, mask = _prompts([30])
     with pytest.raises(pw.InputError, match=r"needs 40 positions, above the model's max_position_embeddings=32 \(it caps "
@@ -506,6 +519,25 @@ def test_inputs_generation_cannot_serve_are_typed_errors_naming_the_cause():
     with pytest.raises(pw.ConfigError, match=r"types \['conv'\]; .*mode='none', or generate without piecewise$"):
         pw.compile(_tiny(Lfm2Config, num_key_value_heads=2, layer_types=["conv", "full_attention"]), _config())
     assert counters.dynamo_traces == 0
+
+
+@pytest.mark.parametrize("spelling", ["compiled.generate", "forward_assigned"])
+def test_int32_prompts_generate_the_eager_tokens_on_the_one_trace(spelling):
+    """Eager takes int32 ids; generate() appends its int64 tokens to them. The step used to be
+    traced for the prompt's int32 and then refused its own decode steps (and every later int64
+    prompt) with a remedy the caller could not apply."""
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    for i, (lengths, dtype) in enumerate([([5, 3], torch.int32), ([4], torch.int64), ([6, 2, 7], torch.int16)]):
+        ids, mask = _prompts(lengths, seed=i)
+        expected = _eager("llama", ids, mask, max_new_tokens=4)
+        ids = ids.to(dtype)
+        if spelling == "compiled.generate":
+            got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+        else:
+            with _forward_assigned(compiled.module, compiled) as model:
+                got = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+        assert torch.equal(got.long(), expected), (i, dtype)
+    assert counters.by_tag[f"{compiled.tag}_generate"].dynamo_traces == 1 and counters.recompiles == 0
 
 
 def test_a_model_without_a_findable_embedding_still_generates(monkeypatch):
@@ -530,6 +562,10 @@ def test_the_engine_refuses_token_ids_outside_the_vocabulary():
     with pytest.raises(pw.InputError, match=r"prompt 1 holds token id 256, outside the vocabulary 0..255 "
                                             r"\(LlamaConfig.vocab_size=256\)"):
         greedy_decode(lambda *a: None, [[1, 2], [3, 256]], 2, config=config)
+    # a float id ran as its truncation (3.7 as 3), with or without a config
+    for cfg in (config, None):
+        with pytest.raises(pw.InputError, match=r"prompt 0 holds 3.7 \(float\); token ids are integers"):
+            greedy_decode(lambda *a: None, [[3.7, 5], [3, 4]], 2, config=cfg)
 
 
 def test_a_generation_nested_in_another_on_the_same_model_is_refused():

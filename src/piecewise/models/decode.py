@@ -13,6 +13,7 @@ prompt alone (the end-of-sequence token included, as `generate` returns it).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import random
 import time
 from collections import deque
@@ -134,7 +135,7 @@ def greedy_decode(
             are never projected onto the vocabulary.
 
     Raises:
-        InputError: empty prompts, token ids outside `config`'s vocabulary, mismatched
+        InputError: empty prompts, token ids that are not integers or are outside `config`'s vocabulary, mismatched
             `arrival_steps` or `max_new_tokens`, more slots than the model has, or a request too
             long for `max_seq_len` (naming the request, the limit and the config field).
     """
@@ -145,6 +146,13 @@ def greedy_decode(
         raise InputError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if any(len(p) == 0 for p in prompts):
         raise InputError("every prompt needs at least one token; drop empty prompts")
+    for i, p in enumerate(prompts):
+        for t in p:
+            try:  # ints, numpy integers and 0-d integer tensors; a float id used to be truncated silently
+                operator.index(t)
+            except TypeError:
+                raise InputError(f"prompt {i} holds {t!r} ({type(t).__name__}); token ids are integers, as the "
+                                 "model's tokenizer returns them") from None
     arrivals = list(arrival_steps) if arrival_steps is not None else [2 * i for i in range(len(prompts))]
     if len(arrivals) != len(prompts):
         raise InputError(f"arrival_steps has {len(arrivals)} entries for {len(prompts)} prompts; give one per prompt")

@@ -372,6 +372,7 @@ class GenerationRoute:
                              f"cache, use_cache, logits_to_keep); got {bad or 'positional arguments'}")
         if input_ids.dim() != 2:
             raise InputError(f"[{self.tag}] input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        input_ids = self._token_ids(input_ids)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         use_cache = kwargs.get("use_cache")
         if cache is None and (use_cache if use_cache is not None else getattr(self.model.config, "use_cache", False)):
@@ -408,9 +409,37 @@ class GenerationRoute:
         finally:
             self._step_lock.release()
 
+    def _token_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids` as the steps are traced for: int64 (eager's embedding takes any integer
+        dtype, and generate() appends int64 tokens to an int32 prompt, so a step traced for the
+        prompt's dtype would refuse its own decode steps). InputError for empty or non-integer ids."""
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise InputError(f"[{self.tag}] input_ids have dtype {input_ids.dtype}; token ids are integers (torch.int64, "
+                             "as the model's tokenizer returns them)")
+        if input_ids.numel() == 0:
+            raise InputError(f"[{self.tag}] input_ids of shape {tuple(input_ids.shape)} hold no tokens; every sequence "
+                             "needs at least one (a BOS token for an empty prompt)")
+        return input_ids if input_ids.dtype == torch.int64 else input_ids.to(torch.int64)
+
+    def _check_vocabulary(self, ids: torch.Tensor) -> None:
+        """InputError for a token id outside the input embedding's rows: eager raises IndexError in
+        the embedding, a compiled kernel's bounds check is an untyped error (or none)."""
+        try:  # transformers raises NotImplementedError where it cannot find a model's embedding
+            embed = getattr(self.model, "get_input_embeddings", lambda: None)()
+        except NotImplementedError:
+            embed = None
+        vocab = getattr(embed, "num_embeddings", None)
+        if isinstance(vocab, int) and ids.numel() and not ids.is_floating_point():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= vocab:
+                raise InputError(f"[{self.tag}] input_ids hold token id {low if low < 0 else high}, outside the vocabulary "
+                                 f"0..{vocab - 1} (the input embedding's rows); tokenize with the model's own tokenizer")
+
     def _step(self, kwargs: dict, input_ids: torch.Tensor, cache: Any, continuing: bool) -> Any:
         batch, new = input_ids.shape
         past = self._past_for(cache)
+        if past == 0:  # a sequence's first step (its prompt): what `check_generate` checks for generate(), for
+            self._check_vocabulary(input_ids)  # model.forward = compiled and hand-written loops (one read a sequence)
         if continuing and past > 0 and new > 1:
             # generate() feeds one token a row after the prompt; more tokens on a cache object this
             # route already filled means transformers re-feeds or verifies tokens (past_key_values
@@ -554,7 +583,8 @@ class GenerationRoute:
 
         Raises:
             InputError: naming `max_num_seqs` or `max_model_len` (the same limits a step checks), or
-                a token id outside the model's vocabulary.
+                a token id outside the model's vocabulary, or input_ids that are empty or not
+                integers (int32 and other integer dtypes are served: the steps take int64).
         """
         gen_cfg = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
         speculative = [k for k in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
@@ -566,17 +596,7 @@ class GenerationRoute:
         ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return
-        try:  # transformers raises NotImplementedError where it cannot find a model's embedding
-            embed = getattr(self.model, "get_input_embeddings", lambda: None)()
-        except NotImplementedError:
-            embed = None
-        vocab = getattr(embed, "num_embeddings", None)
-        if isinstance(vocab, int) and ids.numel() and not ids.is_floating_point():
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= vocab:
-                # eager raises IndexError in the embedding; a compiled kernel's bounds check is untyped
-                raise InputError(f"[{self.tag}] input_ids hold token id {low if low < 0 else high}, outside the vocabulary "
-                                 f"0..{vocab - 1} (the input embedding's rows); tokenize with the model's own tokenizer")
+        self._check_vocabulary(self._token_ids(ids))
         new = kwargs.get("max_new_tokens", getattr(gen_cfg, "max_new_tokens", None) if "max_length" not in kwargs else None)
         total = ids.shape[1] + new if new is not None else kwargs.get("max_length", getattr(gen_cfg, "max_length", None))
         def setting(name: str) -> int:
