@@ -3,6 +3,7 @@ attn_implementation="sdpa" eager, for both entry paths, every cache spelling, le
 and one trace for any batch size and prompt length."""
 
 import contextlib
+import copy
 import itertools
 import logging
 
@@ -330,6 +331,33 @@ def _tiny(cfg_cls, **extra):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(cfg_cls(**{**common, **extra}), attn_implementation="piecewise").eval()
+
+
+def test_long_rope_generates_the_eager_tokens_on_one_trace():
+    """Phi3's long RoPE creates its long-factor frequencies on the first forward (a plain attribute):
+    created inside the first trace, they counted as module state changed after it and the second
+    generate() traced again. Prompts below and above the original context (32) pick the short and
+    the long factors."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[4.0 + i for i in range(8)],
+                original_max_position_embeddings=32)
+    model = _tiny(Phi3Config, num_key_value_heads=2, sliding_window=None, rope_parameters=rope)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # clear greedy margins on random weights
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), attn_implementation="sdpa").eval()
+    ref.load_state_dict(model.state_dict())
+    compiled = pw.compile(model, _config())
+    for i, (lengths, new) in enumerate([([5, 3], 6), ([9, 4, 7], 4), ([40], 6)]):
+        ids, mask = _prompts(lengths, seed=i)
+        with torch.no_grad():
+            out = ref.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, output_scores=True,
+                               return_dict_in_generate=True)
+        margins = [(lambda t: (t[:, 0] - t[:, 1]).min().item())(s.topk(2, dim=-1).values) for s in out.scores]
+        assert min(margins) > MIN_GREEDY_MARGIN, "near-tie in the reference; change the seed"
+        got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
+        assert torch.equal(got, out.sequences), i
+    assert counters.by_tag[f"{compiled.tag}_generate"].dynamo_traces == 1 and counters.recompiles == 0
 
 
 def test_a_sliding_window_in_the_config_is_refused_at_compile():

@@ -792,4 +792,30 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
                           "which recomputes its frequencies from the longest sequence seen so far, a data-dependent "
                           "branch piecewise cannot trace once for all lengths; generate with attn_implementation='sdpa', "
                           "or use a fixed rope_type ('linear', 'llama3', 'yarn')")
+    _create_longrope_frequencies(module)
     return route
+
+
+def _create_longrope_frequencies(module: torch.nn.Module) -> None:
+    """Run each long-RoPE rotary embedding once on one position, before any trace.
+
+    transformers' longrope update (Phi3, Phi-4-mini) creates its long-factor frequencies as a plain
+    attribute (``long_inv_freq``) on the first forward and picks long or short factors per call with
+    ``torch.where``. Created inside the first trace, the attribute went from absent to a tensor after
+    it, which is module state changing after the trace: the second ``generate()`` traced again.
+    Created here, the trace sees it. One position is below any original context length, so the
+    in-place ``inv_freq`` update writes the short factors it holds after construction."""
+    for name, m in module.named_modules():
+        if getattr(m, "rope_type", None) != "longrope" or getattr(m, "long_inv_freq", None) is not None:
+            continue
+        freq = getattr(m, "inv_freq", None)
+        if not isinstance(freq, torch.Tensor):
+            continue
+        try:
+            with torch.no_grad():
+                m(torch.zeros(1, 1, 1, dtype=freq.dtype, device=freq.device),
+                  torch.zeros(1, 1, dtype=torch.long, device=freq.device))
+        except Exception as e:  # only a retrace is at stake: the trace creates the attribute itself
+            log.info("%s: running the long-RoPE embedding once before the trace failed (%s: %s); the first "
+                     "generate() creates its long_inv_freq and the second traces again", name or "model", type(e).__name__, e)
+
