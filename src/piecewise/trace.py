@@ -267,10 +267,38 @@ def _recorded(guard_type: str, value: Any) -> Any:
             # process-wide counter, so the record is which hooks, in order
             return ("hooks", tuple(_callable_name(v) for v in value.values()))
         return tuple(_canonical(k) for k in dict.keys(value)) if isinstance(value, dict) else _canonical(tuple(value))
+    if guard_type in _GLOBAL_IDENTITY_GUARDS:
+        return _identity(value)
     if guard_type == "TENSOR_MATCH":
         return (_type_name(type(value)), str(value.dtype), str(value.device), tuple(value.shape), tuple(value.stride()),
                 bool(value.requires_grad))
     return _canonical(value)
+
+
+#: identity guards on globals: not kept in a bundle, but recorded (`_identity`) when they name a
+#: function, class or builtin, and compared by name at a warm start
+_GLOBAL_IDENTITY_GUARDS = frozenset({"ID_MATCH", "FUNCTION_MATCH", "CLOSURE_MATCH"})
+
+
+def _identity(value: Any) -> Any:
+    """A function (module, qualified name and code digest), class or builtin (module and name) as a
+    record that tells two of them apart across processes.
+
+    Raises:
+        Unrecordable: any other object (identity has no meaning in another process).
+    """
+    from .fingerprint import code_digest
+
+    value = getattr(value, "__func__", value)  # a bound method: its function
+    code = getattr(value, "__code__", None)
+    if isinstance(code, types.CodeType):
+        return ("function", getattr(value, "__module__", None), getattr(value, "__qualname__", None), code_digest(code))
+    if isinstance(value, type):
+        return ("type", _type_name(value))
+    if isinstance(value, (types.BuiltinFunctionType, types.ModuleType, types.MethodDescriptorType,
+                          types.WrapperDescriptorType, types.MethodWrapperType)):
+        return ("builtin", getattr(value, "__module__", None), getattr(value, "__qualname__", None) or getattr(value, "__name__", None))
+    raise Unrecordable(f"a {_type_name(type(value))} compared by identity")
 
 
 #: guards on globals kept in a bundle: they compare values (numbers, strings, tuples, tensor
@@ -445,6 +473,16 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[
                          or (g.is_global and g.guard_type not in _GLOBAL_VALUE_GUARDS))
                     for g in entries]
             for g, k in zip(entries, keep):
+                if (not k and g.is_global and g.guard_type in _GLOBAL_IDENTITY_GUARDS and g.has_value
+                        and not g.orig_guard.name.startswith(_OWN_STATE)
+                        and "hooks[" not in g.orig_guard.name  # keyed by handle ids; recorded as which hooks
+                        and not g.orig_guard.name.startswith("G['__builtins")):  # Python's builtins
+                    # which function, class or builtin a global names (``ACT = gelu`` or ``silu``,
+                    # chosen at import): Dynamo's identity guard is not saved, so record it by name
+                    try:
+                        global_values[f"{g.guard_type} {g.orig_guard.name}"] = _recorded(g.guard_type, g.value)
+                    except Unrecordable:
+                        pass  # another object: not recorded, as before (source hashes and the fingerprint stand in)
                 if k and g.is_global and not g.orig_guard.name.startswith(_OWN_STATE):
                     name = g.orig_guard.name
                     try:

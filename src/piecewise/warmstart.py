@@ -101,6 +101,12 @@ def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
         return ["tensor", str(v.dtype), v.device.type, list(v.shape)]
     if isinstance(v, torch.nn.Module):
         return ["module", type(v).__qualname__]  # walked on its own by module_fingerprint
+    if isinstance(v, type):  # a class held as an attribute (``self.act_cls = nn.ReLU``): which one
+        return ["class", v.__module__, v.__qualname__]
+    if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType, types.MethodWrapperType,
+                      types.WrapperDescriptorType, types.MethodDescriptorType, types.ModuleType)):
+        # ``self.act = torch.relu``: builtins and modules by name (their type alone is the same for all)
+        return ["builtin", getattr(v, "__module__", None) or "", getattr(v, "__qualname__", None) or getattr(v, "__name__", "?")]
     if depth <= 0:
         return type(v).__qualname__
     if isinstance(v, (list, tuple, set, frozenset)):

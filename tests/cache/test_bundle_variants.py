@@ -81,6 +81,63 @@ def test_each_value_of_a_global_keeps_its_own_bundle_and_starts_warm(tmp_path, s
     _compile_and_check(root, dynamo_traces=1, bundle_misses=1)
 
 
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x)
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x)
+
+
+#: read by `Activated`: which function, builtin or class it applies, chosen before construction
+#: (as a script picks one from the environment at import)
+CHOICE = {"fn": _gelu, "builtin": torch.relu, "cls": torch.nn.ReLU}
+
+
+class Activated(torch.nn.Module):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.what = what
+        self.act = CHOICE["builtin"]
+        self.act_cls = CHOICE["cls"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.ops.piecewise_models.toy_attention(x, x, x)
+        h = self.lin(h)
+        if self.what == "fn":
+            return ACT(h)
+        return self.act(h) if self.what == "builtin" else self.act_cls()(h)
+
+
+ACT = _gelu
+
+
+@pytest.mark.parametrize("what,values", [("fn", (_gelu, _silu)), ("builtin", (torch.relu, torch.tanh)),
+                                         ("cls", (torch.nn.ReLU, torch.nn.Tanh))])
+def test_which_function_builtin_or_class_is_used_keeps_its_own_bundle(tmp_path, monkeypatch, what, values):
+    """A global naming one of two functions, an attribute holding one of two builtins or classes:
+    their types are the same and Dynamo's identity guards are not saved, so the second process
+    loaded the first one's bundle and ran the other function (outputs off by up to 1.9)."""
+    root = str(tmp_path / "c")
+    for value, traces in zip(values + values, (1, 1, 0, 0)):
+        if what == "fn":
+            monkeypatch.setattr(sys.modules[__name__], "ACT", value)
+        else:
+            monkeypatch.setitem(CHOICE, what, value)
+        torch._dynamo.reset()
+        model = Activated(what)
+        cm = pw.compile(model, pw.CompilationConfig(backend="eager", cache_dir=root, max_num_tokens=16),
+                        dynamic_arg_dims={"x": 0})
+        with counters.expect(dynamo_traces=traces, bundle_hits=1 - traces):
+            for n in (3, 1, 16):
+                x = torch.randn(n, 8)
+                torch.testing.assert_close(cm(x), model(x))
+        del cm
+        gc.collect()
+
+
 def test_bundles_per_tag_are_bounded_least_recently_used_first(tmp_path, scale, monkeypatch, caplog):
     monkeypatch.setenv("PIECEWISE_BUNDLES_PER_TAG", "2")
     root = str(tmp_path / "c")
