@@ -136,6 +136,7 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
     }
     addresses: dict[str, int] = {}
     first: dict[int, str] = {}  # id -> first path of each tensor object
+    storages: dict[int, str] = {}  # storage address -> first path of a tensor over it
 
     def tensor(path: str, t: torch.Tensor) -> None:
         layout[path] = _tensor_state(t)
@@ -145,6 +146,11 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
         same = first.setdefault(id(t), path)
         if same != path:
             layout[f"{path} <same tensor as>"] = same
+        else:  # two tensors over one storage (a buffer that is a view of another): the trace
+            # orders their reads and writes as aliases, so sharing or not sharing is a change too
+            shared = storage_owner(t, path, storages)
+            if shared is not None:
+                layout[f"{path} <shares storage with>"] = shared
 
     for name, m in module.named_modules(remove_duplicate=False):
         prefix = f"{name}." if name else ""
@@ -165,6 +171,21 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
             else:  # settings such as eps or GELU's approximate, fixed into the trace
                 layout[prefix + aname] = _value(v)
     return layout, addresses
+
+
+def storage_owner(t: torch.Tensor, path: str, seen: dict[int, str]) -> str | None:
+    """The first path in `seen` whose tensor lies on `t`'s storage, else None (and `path` is
+    recorded for it). Tensors without memory (meta, empty, tensor subclasses without storage)
+    share nothing."""
+    try:
+        storage = t.untyped_storage()
+        key = storage.data_ptr() if storage.nbytes() else 0
+    except (RuntimeError, NotImplementedError):
+        return None
+    if not key:
+        return None
+    owner = seen.setdefault(key, path)
+    return owner if owner != path else None
 
 
 _PRIMITIVES = (int, float, bool, str, bytes, type(None), complex, torch.dtype, torch.device)

@@ -68,6 +68,7 @@ from .counters import counters
 from .errors import CompileError
 from .fingerprint import code_digest
 from .split import SplitResult
+from .state import storage_owner
 from .trace import Trace, changed_globals, rebuild
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fingerprint", "encode_bundle", "decode_bundle",
@@ -160,6 +161,7 @@ def module_fingerprint(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     memo: dict[int, Any] = {}
     first: dict[int, str] = {}  # id -> first path: which modules, tensors and attribute objects are shared
+    storages: dict[int, str] = {}  # which distinct tensors lie on one storage (a buffer viewing another)
 
     def alias(obj: Any, path: str) -> str:
         if isinstance(obj, _PRIMITIVES):
@@ -173,7 +175,9 @@ def module_fingerprint(module: torch.nn.Module) -> str:
         for pname, p in list(m._parameters.items()) + list(m._buffers.items()):
             desc = None if p is None else [type(p).__qualname__, str(p.dtype), p.device.type, list(p.shape), list(p.stride()),
                                            p.storage_offset(), p.requires_grad]
-            h.update(f"P{pname}{alias(p, name + '.' + pname) if p is not None else ''}:{desc};".encode())
+            tied = alias(p, f"{name}.{pname}") if p is not None else ""
+            shared = storage_owner(p, f"{name}.{pname}", storages) if p is not None and not tied else None
+            h.update(f"P{pname}{tied}{'~' + shared if shared else ''}:{desc};".encode())
         attrs = {k + alias(v, f"{name}.{k}"): _describe(v, 2, memo)
                  for k, v in sorted(m.__dict__.items()) if k not in _MODULE_INTERNALS}
         attrs["__class_data__"] = _class_data(type(m), memo)

@@ -138,6 +138,44 @@ def test_which_function_builtin_or_class_is_used_keeps_its_own_bundle(tmp_path, 
         gc.collect()
 
 
+class Viewing(torch.nn.Module):
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros(8))
+        self.register_buffer("count_view", self.count.view(8) if shared else torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return torch.ops.piecewise_models.toy_attention(self.lin(x) + self.count_view, x, x)
+
+
+def test_buffers_sharing_storage_or_not_keep_their_own_bundle_and_compiled_pieces(tmp_path):
+    """Two processes, one with distinct buffers, one with a buffer viewing the other: the second
+    loaded the first one's bundle, then (traced) its compiled pieces; off by 2 either way. A piece
+    with aliased inputs is compiled without Inductor's graph cache, which leaves it nothing to
+    save, so that model traces and compiles in every process (no bundle): slower, never stale."""
+    from piecewise.cache.key import input_signature
+
+    root = str(tmp_path / "c")
+    for shared, traces in ((False, 1), (True, 1), (False, 0), (True, 1)):
+        torch._dynamo.reset()
+        eager, model = Viewing(shared), Viewing(shared)
+        cm = pw.compile(model, pw.CompilationConfig(backend="inductor", cache_dir=root, max_num_tokens=16),
+                        dynamic_arg_dims={"x": 0})
+        with counters.expect(dynamo_traces=traces, bundle_hits=1 - traces):
+            for n in (3, 1, 16):
+                x = torch.randn(n, 8)
+                with torch.no_grad():
+                    torch.testing.assert_close(cm(x), eager(x))
+        del cm
+        gc.collect()
+    a = torch.zeros(8)
+    assert input_signature([a, a.view(2, 4), torch.zeros(3), a[1:]])["storage_aliases"] == [[0, 1], [0, 3]]
+    assert "storage_aliases" not in input_signature([a, torch.zeros(8)])  # keys without aliasing are unchanged
+
+
 def test_bundles_per_tag_are_bounded_least_recently_used_first(tmp_path, scale, monkeypatch, caplog):
     monkeypatch.setenv("PIECEWISE_BUNDLES_PER_TAG", "2")
     root = str(tmp_path / "c")

@@ -113,7 +113,31 @@ def _describe(x: Any) -> Any:
 def input_signature(example_inputs: Sequence[Any], call_signature: Sequence[Any] | None = None) -> dict[str, Any]:
     """Ranks, dtypes, devices and static dims of the graph inputs, plus (from `pw.compile`) which
     call arguments were tensors, None or fixed values."""
-    return {"graph_inputs": [_describe(x) for x in example_inputs], "call": list(call_signature or [])}
+    out: dict[str, Any] = {"graph_inputs": [_describe(x) for x in example_inputs], "call": list(call_signature or [])}
+    aliases = storage_aliases(example_inputs)
+    if aliases:  # absent when none, so the keys of graphs without aliased inputs stay as they were
+        out["storage_aliases"] = aliases
+    return out
+
+
+def storage_aliases(example_inputs: Sequence[Any]) -> list[list[int]]:
+    """``[i, j]`` for each graph input `j` on the storage of an earlier input `i` (a buffer that is a
+    view of another): the compiled code is specialised to that aliasing, so it is part of the key."""
+    import torch
+
+    first: dict[int, int] = {}
+    out = []
+    for j, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            continue
+        try:
+            key = x.untyped_storage()._cdata  # fake tensors keep their real inputs' storage sharing
+        except (RuntimeError, NotImplementedError, AttributeError):
+            continue
+        i = first.setdefault(key, j)
+        if i != j:
+            out.append([i, j])
+    return out
 
 
 def compute_key(factors: Mapping[str, Any]) -> str:

@@ -26,6 +26,7 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..cache.key import storage_aliases
 from ..errors import CompileError
 from ..ops import resolve_splitting_ops
 from . import isa_record
@@ -127,6 +128,20 @@ class InductorAdaptor(CompilerAdaptor):
         from torch._inductor import standalone_compile
 
         options = {"config_patches": self._patches_for(target)}
+        if storage_aliases(example_inputs):
+            # Inputs on one storage (a buffer that views another): Inductor's graph cache and
+            # AOTAutograd's cache keys leave the aliasing out, and returned code compiled for
+            # unaliased inputs (measured: off by 6 after a module's buffer was untied and traced
+            # again). Piecewise's own key has it (`cache.key.input_signature`); theirs are skipped.
+            from torch._functorch import config as functorch_config
+
+            options["config_patches"] = {**options["config_patches"], "fx_graph_cache": False}
+            with functorch_config.patch(enable_autograd_cache=False):
+                return self._standalone_compile_with(standalone_compile, graph, example_inputs, target, options)
+        return self._standalone_compile_with(standalone_compile, graph, example_inputs, target, options)
+
+    def _standalone_compile_with(self, standalone_compile: Any, graph: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                                 target: CompileTarget, options: dict[str, Any]) -> Any:
         if target.size is not None:
             if _takes_fake_mode(standalone_compile):
                 inputs, fake_mode = _static_inputs(example_inputs, target.size, target.symbol)
