@@ -62,6 +62,31 @@ def test_in_place_edit_of_a_list_argument_is_caught():
         cm(torch.randn(3, 4), w)
 
 
+class Settings(torch.nn.Module):
+    def forward(self, x, opts, d, s):
+        return ATTN(x, x, x) * opts[0] * list(d.values())[0] / s
+
+
+def test_a_non_tensor_argument_equal_by_value_but_not_as_traced_is_refused():
+    """Each passed Python's == and ran the traced value: a leaf of another type ([2] for [2.0]),
+    dict keys in another order (forward iterates them), -0.0 for 0.0 (x / s gave inf). A nan
+    argument equals itself (it used to be refused as differing from the traced nan)."""
+    cm = pw.compile(Settings(), _cfg(), dynamic_arg_dims={"x": 0})
+    x = torch.randn(3, 4)
+    cm(x, [2.0], {"a": 2.0, "b": 3.0}, 0.5)
+    for name, call in (("opts", lambda: cm(x, [2], {"a": 2.0, "b": 3.0}, 0.5)),
+                       ("d", lambda: cm(x, [2.0], {"b": 3.0, "a": 2.0}, 0.5))):
+        with pytest.raises(pw.InputError, match=f"'{name}'"):
+            call()
+    zero = pw.compile(Settings(), _cfg(tag="zero"), dynamic_arg_dims={"x": 0})
+    torch.testing.assert_close(zero(x, [1.0], {"a": 1.0}, 0.0), Settings()(x, [1.0], {"a": 1.0}, 0.0))
+    with pytest.raises(pw.InputError, match="'s'=-0.0 differs"):
+        zero(x, [1.0], {"a": 1.0}, -0.0)
+    nan = pw.compile(Settings(), _cfg(tag="nan"), dynamic_arg_dims={"x": 0})
+    nan(x, [1.0], {"a": 1.0}, float("nan"))
+    assert torch.isnan(nan(x, [1.0], {"a": 1.0}, float("nan"))).all()
+
+
 class TupleArg(torch.nn.Module):
     def forward(self, x, kv):
         return ATTN(x, kv[0], kv[1])

@@ -85,11 +85,20 @@ def _remedy_tag(name: str) -> str:
             "...) and call that one for it")
 
 
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
+def _same(a: Any, b: Any, depth: int = 0) -> bool:
+    """Whether a non-tensor argument equals the traced one as the trace used it: types too, at
+    every level (``[2]`` is not ``[2.0]``), dict keys in order (forward may iterate them), floats
+    by their repr (``-0.0`` is not ``0.0``; ``nan`` is ``nan``)."""
     if type(a) is not type(b):
         return False
+    if isinstance(a, float):
+        return repr(a) == repr(b)
+    if isinstance(a, (list, tuple)) and depth < 32:
+        return len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b))
+    if isinstance(a, dict) and depth < 32:
+        return (list(a) == list(b)) and all(_same(a[k], b[k], depth + 1) for k in a)
+    if a is b:
+        return True
     try:
         return bool(a == b)
     except Exception as e:  # objects without a scalar ==
