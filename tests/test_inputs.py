@@ -87,6 +87,28 @@ def test_a_non_tensor_argument_equal_by_value_but_not_as_traced_is_refused():
     assert torch.isnan(nan(x, [1.0], {"a": 1.0}, float("nan"))).all()
 
 
+class Pair(torch.nn.Module):
+    def forward(self, x, pair, **kw):
+        out = ATTN(x, pair[0], pair[1])
+        for v in kw.values():  # order-dependent
+            out = out * 2 + v
+        return out
+
+
+def test_one_tensor_twice_in_a_container_or_kwargs_in_another_order_is_refused():
+    """Both ran the traced call: a tuple holding one tensor twice is one trace input (distinct
+    tensors later were read as the first, off by ~6), and **kwargs iterated in the traced order."""
+    m = Pair()
+    cm = pw.compile(m, _cfg(), dynamic_arg_dims={"x": 0})
+    x, t = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(cm(x, (t, t), a=1.0, b=2.0), m(x, (t, t), a=1.0, b=2.0))
+    with pytest.raises(pw.InputError, match=r"\['pair\[0\]', 'pair\[1\]'\] were one tensor"):
+        cm(x, (torch.randn(3, 4), torch.randn(3, 4)), a=1.0, b=2.0)
+    with pytest.raises(pw.InputError, match=r"keyword arguments \['b', 'a'\] reach \*\*kwargs in another order"):
+        cm(x, (t, t), b=2.0, a=1.0)
+    torch.testing.assert_close(cm(x, (t, t), a=1.0, b=2.0), m(x, (t, t), a=1.0, b=2.0))
+
+
 class TupleArg(torch.nn.Module):
     def forward(self, x, kv):
         return ATTN(x, kv[0], kv[1])

@@ -119,7 +119,10 @@ class CallSignature:
         #: the smallest size a dynamic dim may have (2 under ``dynamic_shapes="backed"``)
         self.min_dynamic_size = min_dynamic_size
         self.specs: list[ArgSpec] = []
-        self.alias_groups: list[tuple[int, ...]] = []  # spec indices that were one tensor object
+        self.var_kw_order: list[str] = []
+        #: where one tensor object was passed more than once: (spec index, leaf index in a
+        #: container argument or None for the argument itself)
+        self.alias_groups: list[tuple[tuple[int, int | None], ...]] = []
         self.required = 0  # specs that must be passed (not left at a default)
         self.objects: tuple[str, ...] = ()  # arguments recorded as plain objects
 
@@ -146,6 +149,8 @@ class CallSignature:
             elif p.default is not inspect.Parameter.empty:
                 slots.append((p.name, None, _MISSING, p.default))
         slots += [(k, None, v, _MISSING) for k, v in kwargs.items() if k not in known]  # through **kwargs
+        #: the order of the arguments passed through ``**kwargs``: forward may iterate them
+        self.var_kw_order = [k for k in kwargs if k not in known]
         specs, first_index = [], {}
         for name, pos, v, default in slots:
             dims = self.dynamic.get(name, ())
@@ -156,7 +161,7 @@ class CallSignature:
                 continue
             if isinstance(v, torch.Tensor):
                 spec = ArgSpec(name, pos, "tensor", self._tensor_spec(name, v, dims))
-                first_index.setdefault(id(v), []).append(len(specs))
+                first_index.setdefault(id(v), []).append((len(specs), None))
             elif dims:
                 raise InputError(f"dynamic_arg_dims marks {name!r}, which is a {type(v).__name__}, not a tensor")
             elif v is None:
@@ -168,6 +173,9 @@ class CallSignature:
             else:
                 leaves, treespec = pytree.tree_flatten(v)
                 if any(isinstance(x, torch.Tensor) or _is_object(x) for x in leaves):
+                    for j, x in enumerate(leaves):
+                        if isinstance(x, torch.Tensor):  # one tensor twice in a container is one trace input too
+                            first_index.setdefault(id(x), []).append((len(specs), j))
                     leaf_specs = [self._tensor_spec(name, x, ()) if isinstance(x, torch.Tensor)
                                   else ObjectLeaf(type(x)) if _is_object(x) else copy.deepcopy(x) for x in leaves]
                     spec = ArgSpec(name, pos, "tree", value=(treespec, leaf_specs))
@@ -251,6 +259,12 @@ class CallSignature:
         """
         if len(args) + len(kwargs) != self.required:
             self._check_arity(args, kwargs)
+        if len(self.var_kw_order) > 1:
+            known = {p.name for p in self.params}
+            order = [k for k in kwargs if k not in known]
+            if order != self.var_kw_order and sorted(order) == sorted(self.var_kw_order):
+                raise InputError(f"[{self.tag}] keyword arguments {order} reach **kwargs in another order than traced "
+                                 f"({self.var_kw_order}); forward may iterate them in that order. Pass them in the traced order")
         new_args: list | None = None
         for spec in self.specs:
             pos = spec.position
@@ -290,10 +304,14 @@ class CallSignature:
                 raise InputError(f"[{self.tag}] {spec.name!r}={v!r} differs from the traced value {spec.value!r} (it {what}); "
                                  f"non-tensor arguments cannot change after the first call. Pass the traced value, or "
                                  f"{_remedy_tag(spec.name)}")
+        def at(where: tuple[int, int | None]) -> Any:
+            v = self.value(self.specs[where[0]], args, kwargs)
+            return v if where[1] is None else pytree.tree_flatten(v)[0][where[1]]
+
         for group in self.alias_groups:
-            first = self.value(self.specs[group[0]], args, kwargs)
-            if any(self.value(self.specs[i], args, kwargs) is not first for i in group[1:]):
-                names = [self.specs[i].name for i in group]
+            first = at(group[0])
+            if any(at(w) is not first for w in group[1:]):
+                names = [self.specs[i].name if j is None else f"{self.specs[i].name}[{j}]" for i, j in group]
                 raise InputError(f"[{self.tag}] arguments {names} were one tensor when traced and differ now; the trace "
                                  "reads only one of them. Pass distinct tensors on the first call too")
         return (tuple(new_args) if new_args is not None else args), kwargs
