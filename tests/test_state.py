@@ -159,6 +159,66 @@ def test_buffers_that_start_or_stop_sharing_storage_after_compile_are_followed(s
         check()
 
 
+def test_a_call_in_another_autocast_state_than_the_first_is_refused():
+    """Autocast changes the trace's dtypes and guard-free dispatch does not see it: compiled
+    without it, a call under it ran fp32 code where eager ran bf16 matmuls (and the reverse)."""
+    model = Embedder().eval()
+    cm = _compile(model)
+    ids = torch.randint(0, 100, (5,))
+    cm(ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(pw.InputError, match="called with autocast cpu bfloat16, compiled with autocast off"):
+            cm(ids)
+    torch.testing.assert_close(cm(ids), model(ids))  # back in the first call's state: served
+    under = _compile(Embedder().eval(), tag="under_autocast")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under(ids)
+    with pytest.raises(pw.InputError, match="called with autocast off, compiled with autocast cpu bfloat16"):
+        under(ids)
+
+
+class Holder:
+    def __init__(self):
+        self.table = torch.ones(16)
+
+
+class Nested(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(16, 16)
+        self.cfg = Holder()
+        self.nested = {"k": {"t": torch.ones(16)}}
+
+    def forward(self, ids):
+        h = torch.ops.pw_test_state.attn(self.lin(ids))
+        return h * self.nested["k"]["t"] + self.cfg.table
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("where", ["nested_dict", "object_attribute", "inner_dict"])
+def test_a_tensor_replaced_deep_in_a_plain_attribute_is_followed(where, backend):
+    """Only tensors one container deep were checked: one in a dict inside a dict attribute, or on
+    a plain object held by the module, replaced by a float64 one ran the float32 trace."""
+    model = Nested().eval()
+    cm = _compile(model, backend)
+    x = torch.randn(3, 16)
+    cm(x)
+    new = torch.full((16,), 2.0, dtype=torch.float64)
+    if where == "nested_dict":
+        model.nested["k"]["t"] = new
+    elif where == "object_attribute":
+        model.cfg.table = new
+    else:
+        model.nested["k"] = {"t": new}
+    with counters.expect(state_changes=1, recompiles=1):
+        for n in (3, 5):
+            x = torch.randn(n, 16)
+            got, want = cm(x), model(x)
+            assert got.dtype == want.dtype == torch.float64
+            torch.testing.assert_close(got, want)
+
+
 def test_in_place_weight_update_needs_nothing():
     model = Embedder().eval()
     cm = _compile(model)

@@ -57,6 +57,7 @@ from .tags import current_registry, release_tag, unique_tag
 __all__ = ["compile", "CompiledModel", "unique_tag", "register_route"]
 
 log = logging.getLogger("piecewise")
+_UNSET = object()  # not recorded yet
 
 #: call routes, tried in order when a model is compiled: ``factory(module, config, tag)`` returns a
 #: callable ``route(args, kwargs)`` for modules it serves (else None); the route returns
@@ -123,11 +124,24 @@ class CompiledModel:
         self._state_layout: dict[str, Any] = {}
         self._plain_tensors: list[Any] = []
         self._skip_bundle = False
+        self._autocast: Any = _UNSET  # the autocast state of the first call (`state.autocast_state`)
 
     # -- calling ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.mode == "none":
             return self.module(*args, **kwargs)
+        # Autocast is global state Dynamo guards and guard-free dispatch does not: code traced with
+        # or without it would run silently in the other state (bf16 against fp32 matmuls). The
+        # first call's state is kept; another one later is refused. One C call when never used.
+        if torch._C._is_any_autocast_enabled() or self._autocast is not None:
+            now = state.autocast_state()
+            if self._autocast is _UNSET:
+                self._autocast = now
+            elif now != self._autocast:
+                raise InputError(f"[{self.tag}] called with autocast {state.show_autocast(now)}, compiled with autocast "
+                                 f"{state.show_autocast(self._autocast)}: the compiled code keeps the dtypes of its trace. "
+                                 "Call it in the autocast state of its first call, or compile a model for each state "
+                                 "(CompilationConfig(tag=...)); casting the model (model.to(torch.bfloat16)) needs no autocast")
         if self._route is not None:
             with torch.no_grad():
                 out = self._route(args, kwargs)

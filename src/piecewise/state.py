@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 from typing import Any
 
 import torch
@@ -173,6 +174,21 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
     return layout, addresses
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple[tuple[str, str], ...] | None:
+    """The devices autocast is on for and their dtypes, ``(("cpu", "torch.bfloat16"),)``; None when
+    it is off everywhere. Compared between calls of a compiled model and part of the start key."""
+    if not torch._C._is_any_autocast_enabled():
+        return None
+    return tuple((d, str(torch.get_autocast_dtype(d))) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+
+
+def show_autocast(s: tuple[tuple[str, str], ...] | None) -> str:
+    return "off" if not s else ", ".join(f"{d} {dt.removeprefix('torch.')}" for d, dt in s)
+
+
 def storage_owner(t: torch.Tensor, path: str, seen: dict[int, str]) -> str | None:
     """The first path in `seen` whose tensor lies on `t`'s storage, else None (and `path` is
     recorded for it). Tensors without memory (meta, empty, tensor subclasses without storage)
@@ -210,35 +226,64 @@ def _value(v: Any, depth: int = 2) -> Any:
         return (type(v).__name__, tuple(_value(x, depth - 1) for x in v))
     if depth > 0 and isinstance(v, dict):
         return ("dict", tuple((repr(k), _value(x, depth - 1)) for k, x in v.items()))
+    if _is_plain_object(v):  # its tensors by identity: replaced in place on the object, a change
+        return (type(v).__qualname__, id(v), tuple((k, id(x)) for k, x in vars(v).items() if isinstance(x, torch.Tensor)))
     return (type(v).__qualname__, id(v))
 
 
-def plain_tensors(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, Any, tuple[tuple[Any, torch.Tensor], ...]]]:
-    """Tensors held as plain attributes (not registered buffers) anywhere in `module`, directly or
-    in a list, tuple or dict attribute, as ``(owner's __dict__, name, value, ((key, tensor), ...))``:
-    reassigning one moves no epoch (``Module.__setattr__`` is not wrapped), so a compiled model
-    checks their identity on every call (a few ns each; models keep state in buffers, so the list
-    is usually empty)."""
-    out = []
+def plain_tensors(module: torch.nn.Module) -> list[tuple[Any, Any, Any]]:
+    """Tensors held outside registered parameters and buffers anywhere in `module`: as plain
+    attributes, in list, tuple or dict attributes (nested up to three levels), or as attributes of
+    plain objects held there (``self.cfg.table``), as ``(container, key, value)`` for every step of
+    the path to each (a container replaced on the way counts too). Reassigning one moves no epoch
+    (``Module.__setattr__`` is not wrapped), so a compiled model checks their identity on every
+    call (a few ns each; models keep state in buffers, so the list is usually empty)."""
+    out: list[tuple[Any, Any, Any]] = []
+
+    def walk(container: Any, key: Any, v: Any, depth: int) -> bool:
+        if isinstance(v, torch.Tensor):
+            out.append((container, key, v))
+            return True
+        if depth >= 3:
+            return False
+        if isinstance(v, (list, tuple)):
+            inner, items = v, list(enumerate(v))
+        elif isinstance(v, dict):
+            inner, items = v, list(v.items())
+        elif _is_plain_object(v):
+            inner = vars(v)
+            items = list(inner.items())
+        else:
+            return False
+        found = False
+        for k, x in items:
+            found = walk(inner, k, x, depth + 1) or found
+        if found:
+            out.append((container, key, v))
+        return found
+
     for m in module.modules():
-        for aname, v in m.__dict__.items():
+        for aname, v in list(m.__dict__.items()):
             if aname in _MODULE_INTERNALS or aname.startswith("__"):
                 continue
-            if isinstance(v, torch.Tensor):
-                out.append((m.__dict__, aname, v, ()))
-            elif isinstance(v, (list, tuple, dict)):
-                items = tuple((k, t) for k, t in (v.items() if isinstance(v, dict) else enumerate(v))
-                              if isinstance(t, torch.Tensor))
-                if items:
-                    out.append((m.__dict__, aname, v, items))
+            walk(m.__dict__, aname, v, 0)
     return out
 
 
-def check_plain_tensors(held: list[tuple[dict[str, Any], str, Any, tuple[tuple[Any, torch.Tensor], ...]]]) -> None:
-    """Move the epoch when a tensor held as a plain attribute was replaced (see `plain_tensors`)."""
+def _is_plain_object(v: Any) -> bool:
+    """An instance of a user class holding its state in ``__dict__`` (a config object), not a
+    module, class, function or module object (their state is described elsewhere or is code)."""
+    return (hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, type, types.FunctionType, types.ModuleType,
+                                                            types.MethodType, torch.Tensor))
+            and not callable(v))
+
+
+def check_plain_tensors(held: list[tuple[Any, Any, Any]]) -> None:
+    """Move the epoch when a tensor held outside parameters and buffers, or a container or object
+    on the way to it, was replaced (see `plain_tensors`)."""
     try:
-        for d, name, value, items in held:
-            if d.get(name) is not value or any(value[k] is not t for k, t in items):
+        for container, key, value in held:
+            if container[key] is not value:
                 bump()
                 return
     except (KeyError, IndexError, TypeError):  # a container lost an entry: changed

@@ -68,7 +68,7 @@ from .counters import counters
 from .errors import CompileError
 from .fingerprint import code_digest
 from .split import SplitResult
-from .state import storage_owner
+from .state import autocast_state, storage_owner
 from .trace import Trace, changed_globals, rebuild
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fingerprint", "encode_bundle", "decode_bundle",
@@ -226,6 +226,7 @@ def start_factors(backend: Any, module: torch.nn.Module, call_signature: list[An
         # process state Dynamo guards on that would otherwise make bundles of two setups overwrite
         # each other: intra-op threads, global module hooks
         "threads": torch.get_num_threads(),
+        "autocast": autocast_state(),  # the trace's dtypes follow it
         "global_hooks": [len(getattr(torch.nn.modules.module, d, {})) for d in _GLOBAL_HOOK_DICTS],
     }
 
