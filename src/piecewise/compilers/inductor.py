@@ -42,6 +42,20 @@ _RUNTIME_MODULES = ("torch._inductor.select_algorithm", "torch._inductor.async_c
                     "torch._inductor.codegen.memory_planning", "torch._inductor.hooks", "torch._dynamo.testing")
 
 
+class AliasingMarker(CustomGraphPass):
+    """A post-grad pass that changes nothing; its uuid puts which graph inputs share a storage
+    into Inductor's FX graph cache key."""
+
+    def __init__(self, aliases: list[list[int]]) -> None:
+        self.aliases = aliases
+
+    def __call__(self, graph: Any) -> None:
+        return None
+
+    def uuid(self) -> Any:
+        return f"piecewise-input-aliasing-{self.aliases}"
+
+
 class InductorAdaptor(CompilerAdaptor):
     name = "inductor"
 
@@ -128,16 +142,17 @@ class InductorAdaptor(CompilerAdaptor):
         from torch._inductor import standalone_compile
 
         options = {"config_patches": self._patches_for(target)}
-        if storage_aliases(example_inputs):
-            # Inputs on one storage (a buffer that views another): Inductor's graph cache and
-            # AOTAutograd's cache keys leave the aliasing out, and returned code compiled for
-            # unaliased inputs (measured: off by 6 after a module's buffer was untied and traced
-            # again). Piecewise's own key has it (`cache.key.input_signature`); theirs are skipped.
-            from torch._functorch import config as functorch_config
-
-            options["config_patches"] = {**options["config_patches"], "fx_graph_cache": False}
-            with functorch_config.patch(enable_autograd_cache=False):
-                return self._standalone_compile_with(standalone_compile, graph, example_inputs, target, options)
+        aliases = storage_aliases(example_inputs)
+        if aliases:
+            # Inputs on one storage (a buffer that views another): Inductor's graph cache key leaves
+            # the aliasing out and returned code compiled for unaliased inputs (measured: off by 6
+            # after a module's buffer was untied and traced again). A pass that changes nothing puts
+            # the aliasing into that key, as piecewise's own key has it (`cache.key.input_signature`).
+            patches = dict(options["config_patches"])
+            user = patches.get("post_grad_custom_post_pass")
+            user = list(user) if isinstance(user, (list, tuple)) else [user] if user else []
+            patches["post_grad_custom_post_pass"] = _post_passes([AliasingMarker(aliases), *user])
+            options["config_patches"] = patches
         return self._standalone_compile_with(standalone_compile, graph, example_inputs, target, options)
 
     def _standalone_compile_with(self, standalone_compile: Any, graph: torch.fx.GraphModule, example_inputs: Sequence[Any],
