@@ -125,6 +125,7 @@ class CallSignature:
         self.alias_groups: list[tuple[tuple[int, int | None], ...]] = []
         self.required = 0  # specs that must be passed (not left at a default)
         self.objects: tuple[str, ...] = ()  # arguments recorded as plain objects
+        self.names = frozenset(p.name for p in self.params)  # parameters forward names (not **kwargs)
 
     # -- recording ----------------------------------------------------------------------------
     def _tensor_spec(self, name: str, v: torch.Tensor, dims: tuple[int, ...]) -> TensorSpec:
@@ -139,7 +140,7 @@ class CallSignature:
     def record(self, args: tuple, kwargs: dict) -> None:
         if len(args) > len(self.params):
             raise InputError(f"[{self.tag}] {len(args)} positional arguments given; pass the extra ones by name")
-        known = {p.name for p in self.params}
+        known = self.names
         slots: list[tuple[str, int | None, Any, Any]] = []
         for i, p in enumerate(self.params):
             if i < len(args):
@@ -260,8 +261,7 @@ class CallSignature:
         if len(args) + len(kwargs) != self.required:
             self._check_arity(args, kwargs)
         if len(self.var_kw_order) > 1:
-            known = {p.name for p in self.params}
-            order = [k for k in kwargs if k not in known]
+            order = [k for k in kwargs if k not in self.names]
             if order != self.var_kw_order and sorted(order) == sorted(self.var_kw_order):
                 raise InputError(f"[{self.tag}] keyword arguments {order} reach **kwargs in another order than traced "
                                  f"({self.var_kw_order}); forward may iterate them in that order. Pass them in the traced order")
@@ -304,17 +304,18 @@ class CallSignature:
                 raise InputError(f"[{self.tag}] {spec.name!r}={v!r} differs from the traced value {spec.value!r} (it {what}); "
                                  f"non-tensor arguments cannot change after the first call. Pass the traced value, or "
                                  f"{_remedy_tag(spec.name)}")
-        def at(where: tuple[int, int | None]) -> Any:
-            v = self.value(self.specs[where[0]], args, kwargs)
-            return v if where[1] is None else pytree.tree_flatten(v)[0][where[1]]
-
         for group in self.alias_groups:
-            first = at(group[0])
-            if any(at(w) is not first for w in group[1:]):
+            first = self._at(group[0], args, kwargs)
+            if any(self._at(w, args, kwargs) is not first for w in group[1:]):
                 names = [self.specs[i].name if j is None else f"{self.specs[i].name}[{j}]" for i, j in group]
                 raise InputError(f"[{self.tag}] arguments {names} were one tensor when traced and differ now; the trace "
                                  "reads only one of them. Pass distinct tensors on the first call too")
         return (tuple(new_args) if new_args is not None else args), kwargs
+
+    def _at(self, where: tuple[int, int | None], args: tuple, kwargs: dict) -> Any:
+        """The argument (or container leaf) an alias group names: (spec index, leaf index or None)."""
+        v = self.value(self.specs[where[0]], args, kwargs)
+        return v if where[1] is None else pytree.tree_flatten(v)[0][where[1]]
 
     def value(self, spec: ArgSpec, args: tuple, kwargs: dict) -> Any:
         return args[spec.position] if spec.position is not None and spec.position < len(args) else kwargs.get(spec.name)

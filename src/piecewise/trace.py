@@ -268,19 +268,19 @@ def _recorded(guard_type: str, value: Any) -> Any:
             return ("hooks", tuple(_callable_name(v) for v in value.values()))
         return tuple(_canonical(k) for k in dict.keys(value)) if isinstance(value, dict) else _canonical(tuple(value))
     if guard_type in _GLOBAL_IDENTITY_GUARDS:
-        return _identity(value)
+        return identity(value)
     if guard_type == "TENSOR_MATCH":
         return (_type_name(type(value)), str(value.dtype), str(value.device), tuple(value.shape), tuple(value.stride()),
                 bool(value.requires_grad))
     return _canonical(value)
 
 
-#: identity guards on globals: not kept in a bundle, but recorded (`_identity`) when they name a
+#: identity guards on globals: not kept in a bundle, but recorded (`identity`) when they name a
 #: function, class or builtin, and compared by name at a warm start
 _GLOBAL_IDENTITY_GUARDS = frozenset({"ID_MATCH", "FUNCTION_MATCH", "CLOSURE_MATCH"})
 
 
-def _identity(value: Any) -> Any:
+def identity(value: Any) -> Any:
     """A function (module, qualified name and code digest), class or builtin (module and name) as a
     record that tells two of them apart across processes.
 

@@ -66,10 +66,9 @@ from .cache.store import (FACTORS, INDEX, LOCK, CacheEntry, CacheIndexError, che
 from .compiled import CompiledPlan
 from .counters import counters
 from .errors import CompileError
-from .fingerprint import code_digest
 from .split import SplitResult
 from .state import autocast_state, storage_owner
-from .trace import Trace, changed_globals, rebuild
+from .trace import Trace, Unrecordable, changed_globals, identity, rebuild
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fingerprint", "encode_bundle", "decode_bundle",
            "stale_sources"]
@@ -102,12 +101,10 @@ def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
         return ["tensor", str(v.dtype), v.device.type, list(v.shape)]
     if isinstance(v, torch.nn.Module):
         return ["module", type(v).__qualname__]  # walked on its own by module_fingerprint
-    if isinstance(v, type):  # a class held as an attribute (``self.act_cls = nn.ReLU``): which one
-        return ["class", v.__module__, v.__qualname__]
-    if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType, types.MethodWrapperType,
-                      types.WrapperDescriptorType, types.MethodDescriptorType, types.ModuleType)):
-        # ``self.act = torch.relu``: builtins and modules by name (their type alone is the same for all)
-        return ["builtin", getattr(v, "__module__", None) or "", getattr(v, "__qualname__", None) or getattr(v, "__name__", "?")]
+    try:  # a class, builtin or function held as an attribute (``self.act = torch.relu``): which one
+        return list(identity(v))
+    except Unrecordable:
+        pass
     if depth <= 0:
         return type(v).__qualname__
     if isinstance(v, (list, tuple, set, frozenset)):
@@ -115,9 +112,6 @@ def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
         return [type(v).__name__, sorted(map(repr, items)) if isinstance(v, (set, frozenset)) else items]
     if isinstance(v, Mapping):
         return {str(k): _describe(x, depth - 1, memo) for k, x in v.items()}
-    code = getattr(v, "__code__", None)
-    if isinstance(code, types.CodeType):  # functions and lambdas held as attributes
-        return ["function", getattr(v, "__qualname__", "?"), code_digest(code)]
     if id(v) in memo:
         return memo[id(v)]
     to_dict = getattr(v, "to_dict", None)
