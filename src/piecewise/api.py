@@ -153,12 +153,15 @@ class CompiledModel:
                 state.check_plain_tensors(self._plain_tensors)
             if fast is None or (state.EPOCH != self._state_epoch and not self._state_unchanged()):
                 return self._first_call(args, kwargs)
-            args, kwargs = self._signature.check(args, kwargs)
+            args, kwargs, copies = self._signature.check(args, kwargs)
             if self._object_guards is not None:
                 self._check_object_guards(args, kwargs)
             if self.config.debug and self._guards is not None:
                 self._check_guards(args, kwargs)
-            return fast(self.module, *args, **kwargs)
+            out = fast(self.module, *args, **kwargs)
+            if copies:
+                self._signature.write_back(copies)
+            return out
 
     forward = __call__
 
@@ -280,7 +283,8 @@ class CompiledModel:
                     "directly and would skip them. Register them on a submodule (they are traced) or apply them outside"
                 )
             self._signature.record(args, kwargs)
-            args, kwargs = self._signature.check(args, kwargs)
+            args, kwargs, copies = self._signature.check(args, kwargs)
+            versions = self._signature.versions(args, kwargs)
             t0 = time.perf_counter()
             # Object arguments need the guard manager of a live trace (a bundle does not keep one).
             start = None
@@ -292,6 +296,7 @@ class CompiledModel:
                 self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
                 self._record_state()
                 out = start.fast(self.module, *args, **kwargs)
+                self._after_first_run(versions, copies, args, kwargs)
                 total = time.perf_counter() - t0
                 self.timings = {"first_call": total, **self.backend.timings, "bundle_load": start.seconds, "dynamo": 0.0,
                                 **{f"bundle_{k}": v for k, v in start.phases.items()}}
@@ -312,6 +317,7 @@ class CompiledModel:
             if start is not None:
                 start.save(self.backend, cap)
             out = fast(self.module, *args, **kwargs)
+            self._after_first_run(versions, copies, args, kwargs)
             total = time.perf_counter() - t0
             self.timings = {"first_call": total, **self.backend.timings}
             # the first call's wall time not spent in the backend's phases (trace, guards, first run);
@@ -320,6 +326,16 @@ class CompiledModel:
             log.info("[%s] first call %.3fs (dynamo %.3fs, split %.3fs, compile %.3fs)", self.tag, total,
                      self.timings["dynamo"], self.timings.get("split", 0.0), self.timings.get("compile", 0.0))
             return out
+
+    def _after_first_run(self, versions: list[int], copies: list, args: tuple, kwargs: dict) -> None:
+        """Which tensor arguments the first run wrote in place (`CallSignature.note_writes`), and
+        the write-back of the contiguous copies it ran on."""
+        self._signature.note_writes(versions, args, kwargs)
+        if self._signature.mutated:
+            log.info("[%s] forward writes %s in place: every call checks which tensor arguments share memory",
+                     self.tag, list(self._signature.mutated))
+        if copies:
+            self._signature.write_back(copies)
 
     def _trace(self, args: tuple, kwargs: dict) -> Trace:
         import torch._dynamo.exc

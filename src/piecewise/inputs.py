@@ -6,8 +6,14 @@ call, checked before every later one (a few attribute reads per argument), it ra
 naming the argument and the remedy for anything the trace could not cover:
 
 * tensors: dtype, device, rank, static dims; dynamic dims <= ``max_num_tokens``; the memory layout
-  (a traced contiguous input that arrives strided is made contiguous, any other layout change is
-  an error); tensors that were one object in the traced call must still be one object;
+  (a traced contiguous input that arrives strided runs on a contiguous copy, written back into it
+  when forward wrote the copy in place; a strided first input with a dynamic dim is traced
+  contiguous, since its strides change with the size; any other layout change is an error);
+  tensors that were one object in the traced call must still be one object;
+* when forward writes a tensor argument in place (seen at the first call by the tensors' version
+  counters), which tensor arguments share memory: the compiled code orders reads and writes for
+  the traced sharing (two views of one buffer against distinct tensors), so any other sharing is
+  an error;
 * ``None`` stays ``None``; other values (numbers, strings, flags, containers of them) must equal a
   snapshot of the traced value, type included (``1`` is not ``1.0``), so in-place edits of a
   list are caught; containers holding tensors are checked leaf by leaf;
@@ -80,6 +86,17 @@ class ObjectLeaf:
     type: type
 
 
+def _shared_memory(tensors: list[tuple[str, torch.Tensor]]) -> tuple[tuple[int, ...], ...]:
+    """Groups (indices into `tensors`) of two or more tensors on one memory block (by the data
+    pointer of their storage); tensors without memory (zero elements) share none."""
+    by_block: dict[tuple[str, int], list[int]] = {}
+    for i, (_, t) in enumerate(tensors):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr and t.numel():
+            by_block.setdefault((str(t.device), ptr), []).append(i)
+    return tuple(tuple(g) for g in by_block.values() if len(g) > 1)
+
+
 def _remedy_tag(name: str) -> str:
     return (f"compile the variant as a model of its own: piecewise.compile(model, CompilationConfig(tag='{name}_variant', ...), "
             "...) and call that one for it")
@@ -125,6 +142,11 @@ class CallSignature:
         self.alias_groups: list[tuple[tuple[int, int | None], ...]] = []
         self.required = 0  # specs that must be passed (not left at a default)
         self.objects: tuple[str, ...] = ()  # arguments recorded as plain objects
+        #: tensor arguments (``name`` or ``name[leaf]``) the first call wrote in place
+        self.mutated: tuple[str, ...] = ()
+        #: when `mutated`: the traced call's tensor arguments that share memory, as groups of
+        #: indices into `tensors` (None: forward writes no argument, so sharing cannot matter)
+        self.shared_memory: tuple[tuple[int, ...], ...] | None = None
         self.names = frozenset(p.name for p in self.params)  # parameters forward names (not **kwargs)
 
     # -- recording ----------------------------------------------------------------------------
@@ -134,7 +156,9 @@ class CallSignature:
                 raise InputError(f"dynamic_arg_dims marks dim {d} of {name!r}, but it has rank {v.dim()}")
         dyn = {d % v.dim() for d in dims}
         shape = tuple(None if d in dyn else s for d, s in enumerate(v.shape))
-        contiguous = v.is_contiguous()
+        # strides of a strided tensor follow its sizes: with a dynamic dim no later size has the
+        # traced strides, so the trace takes it contiguous (every call runs on a contiguous copy)
+        contiguous = v.is_contiguous() or bool(dyn)
         return TensorSpec(v.dtype, v.device, shape, contiguous, None if contiguous else tuple(v.stride()))
 
     def record(self, args: tuple, kwargs: dict) -> None:
@@ -252,8 +276,9 @@ class CallSignature:
                              "traced layout (or a contiguous tensor and recompile)")
         return v
 
-    def check(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Validate a call; returns the arguments to run with (strided inputs made contiguous).
+    def check(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Validate a call; returns the arguments to run with (strided inputs made contiguous) and
+        the ``(argument, contiguous copy)`` pairs to hand to `write_back` after the run.
 
         Raises:
             InputError: naming the argument and the remedy.
@@ -266,6 +291,7 @@ class CallSignature:
                 raise InputError(f"[{self.tag}] keyword arguments {order} reach **kwargs in another order than traced "
                                  f"({self.var_kw_order}); forward may iterate them in that order. Pass them in the traced order")
         new_args: list | None = None
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for spec in self.specs:
             pos = spec.position
             if pos is not None and pos < len(args):
@@ -280,6 +306,7 @@ class CallSignature:
             if kind == "tensor":
                 w = self._check_tensor(spec.name, v, spec.tensor)
                 if w is not v:
+                    copies.append((v, w))
                     if pos is not None and pos < len(args):
                         new_args = new_args if new_args is not None else list(args)
                         new_args[pos] = w
@@ -310,7 +337,56 @@ class CallSignature:
                 names = [self.specs[i].name if j is None else f"{self.specs[i].name}[{j}]" for i, j in group]
                 raise InputError(f"[{self.tag}] arguments {names} were one tensor when traced and differ now; the trace "
                                  "reads only one of them. Pass distinct tensors on the first call too")
-        return (tuple(new_args) if new_args is not None else args), kwargs
+        args = tuple(new_args) if new_args is not None else args
+        if self.shared_memory is not None:
+            self._check_shared_memory(args, kwargs)
+        return args, kwargs, copies
+
+    # -- arguments forward writes ----------------------------------------------------------------
+    def tensors(self, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+        """The call's tensor arguments and tensor leaves of container arguments, in spec order, as
+        ``(name or name[leaf], tensor)``."""
+        out = []
+        for spec in self.specs:
+            if spec.kind == "tensor":
+                v = self.value(spec, args, kwargs)
+                if isinstance(v, torch.Tensor):
+                    out.append((spec.name, v))
+            elif spec.kind == "tree":
+                leaves = pytree.tree_flatten(self.value(spec, args, kwargs))[0]
+                out += [(f"{spec.name}[{j}]", x) for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        return out
+
+    def versions(self, args: tuple, kwargs: dict) -> list[int]:
+        """The tensor arguments' version counters (bumped by every in-place write), for `note_writes`."""
+        return [t._version for _, t in self.tensors(args, kwargs)]
+
+    def note_writes(self, before: list[int], args: tuple, kwargs: dict) -> None:
+        """After the first run: record which tensor arguments forward wrote in place (`versions`
+        taken before it) and, if any, which tensor arguments shared memory in that call."""
+        tensors = self.tensors(args, kwargs)
+        self.mutated = tuple(name for (name, t), v in zip(tensors, before) if t._version != v)
+        self.shared_memory = _shared_memory(tensors) if self.mutated else None
+
+    def _check_shared_memory(self, args: tuple, kwargs: dict) -> None:
+        tensors = self.tensors(args, kwargs)
+        now = _shared_memory(tensors)
+        if now != self.shared_memory:
+            def show(groups: tuple[tuple[int, ...], ...]) -> str:
+                return "; ".join(" and ".join(tensors[i][0] for i in g) for g in groups) or "none"
+
+            raise InputError(f"[{self.tag}] forward writes {list(self.mutated)} in place, and the tensor arguments sharing "
+                             f"memory differ from the traced call (now: {show(now)}; traced: {show(self.shared_memory)}): "
+                             "the compiled code orders its reads and writes for the traced sharing. Pass tensors that share "
+                             "memory as they did on the first call (clone a view to give it memory of its own)")
+
+    @staticmethod
+    def write_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After a run on contiguous copies (`check`): copy each copy forward wrote in place back
+        into the caller's tensor, as eager forward would have written it."""
+        for original, copy_ in copies:
+            if copy_._version:  # a fresh copy starts at version 0
+                original.copy_(copy_)
 
     def _at(self, where: tuple[int, int | None], args: tuple, kwargs: dict) -> Any:
         """The argument (or container leaf) an alias group names: (spec index, leaf index or None)."""

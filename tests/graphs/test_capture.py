@@ -328,6 +328,40 @@ class _TokenDim(torch.nn.Module):
         return self.o(out) + x
 
 
+class _WritesInput(torch.nn.Module):
+    """Writes its token input in place (not idempotent), then a row-local splitting op."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qk = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        x.mul_(2)
+        q, k = self.qk(x).chunk(2, dim=-1)
+        out = torch.empty_like(q)
+        torch.ops.pw_test_graphs.gate(q, k, out)
+        return out + x
+
+
+def test_an_input_forward_writes_in_place_gets_the_write_under_graphs(strategy):
+    """Graphs run on padded copies of the token inputs: a replay wrote the copy and left the
+    caller's tensor unwritten (silently), and the padding check ran its padded runs from the
+    already written input, so it turned graphs off with a false report. Now the real rows are
+    copied back after each call and the check starts from the input as passed."""
+    model = _WritesInput().eval()
+    with fake_cpu_platform():
+        cm = _compile(model, strategy=strategy)
+        for n in (3, 3, 5, 8, 3):
+            x = torch.randn(n, 8)
+            want_x = x.clone()
+            with torch.no_grad():
+                want = model(want_x)
+                torch.testing.assert_close(cm(x), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(x, want_x, rtol=0, atol=0)
+        assert counters.padding_refusals == 0 and counters.graph_replays > 0 and counters.recompiles == 0
+
+
 @pytest.mark.parametrize("dim,shape", [(1, (2, None, 8)), (2, (2, 3, None, 8)), (0, (None, 2, 8))])
 @pytest.mark.parametrize("backend", ["eager", "inductor", "inductor_partition"])
 def test_any_token_dim_pads_into_contiguous_static_buffers(dim, shape, backend):

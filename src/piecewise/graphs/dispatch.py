@@ -144,6 +144,10 @@ class GraphDispatcher:
         self._padding_verified = False
         #: why graphs were turned off after the padding check (None: not refused)
         self.padding_refused: str | None = None
+        #: the static inputs forward writes in place, seen by their buffers' version counters in the
+        #: first padded run (None: not run yet). Graphs write the padded buffer, so each call copies
+        #: its real rows back into the caller's tensor, as eager forward would have written it.
+        self.written_inputs: list[StaticInput] | None = None
         runner.on_size_failed = self._drop_size
 
     def _drop_size(self, size: int) -> None:
@@ -177,12 +181,21 @@ class GraphDispatcher:
         padded_args = self._fill(args, n, padded)
         self.num_tokens_device.fill_(n)
         self.select_entry(padded)
+        versions = None if self.written_inputs is not None else [padded_args[si.index]._version for si in self.static_inputs]
         token = enter_forward(ForwardContext(n, padded, mode, BatchDescriptor(padded, uniform), self.tag, self.num_tokens_device))
         try:
             out = self.full(*padded_args) if mode is RuntimeMode.FULL else self.forward(*padded_args)
         finally:
             exit_forward(token)
             self.runner.flush_replays()
+        if versions is not None:  # the first run is eager (a warm-up), so in-place writes bump versions
+            self.written_inputs = [si for si, v in zip(self.static_inputs, versions) if padded_args[si.index]._version != v]
+            if self.written_inputs:
+                log.info("[%s] forward writes graph input(s) %s in place: each call copies their real rows back", self.tag,
+                         [si.index for si in self.written_inputs])
+        if n:
+            for si in self.written_inputs:
+                args[si.index].narrow(si.dim, 0, n).copy_(padded_args[si.index].narrow(si.dim, 0, n))
         return self._slice(out, n)
 
     def _fill(self, args: tuple[Any, ...], n: int, padded: int) -> list[Any]:
@@ -228,8 +241,13 @@ class GraphDispatcher:
         then on, with a warning. Returns this call's (unpadded) result.
 
         The model runs three times on this call's tokens: splitting ops must write the same state
-        for the same tokens (true of KV-cache writes)."""
+        for the same tokens (true of KV-cache writes). The padded runs start from copies of the
+        token inputs as they were before the real run, which may write them in place."""
+        before = list(args)
+        for si in self.static_inputs:
+            before[si.index] = args[si.index].clone()
         expected = _clone(self.plain(*args))
+        args = tuple(before)
         worst = 0.0
         for fill in ("zeros", "copies"):
             padded_args = self._fill(args, n, padded)
