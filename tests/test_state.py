@@ -177,6 +177,19 @@ def test_a_call_in_another_autocast_state_than_the_first_is_refused():
         under(ids)
 
 
+def test_inductor_compiled_under_autocast_serves_every_size_like_eager_under_it():
+    """The first call under autocast traces and compiles bf16 matmuls with Inductor (a helper saw
+    a dtype mismatch here once; it no longer reproduces, this keeps it so)."""
+    model = Embedder().eval()
+    cm = _compile(model, backend="inductor", tag="inductor_under_autocast")
+    with torch.autocast("cpu", dtype=torch.bfloat16), counters.expect(recompiles=0):
+        for n in (5, 2, 9):
+            ids = torch.randint(0, 100, (n,))
+            got, want = cm(ids), model(ids)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, **_tol(torch.bfloat16))
+
+
 class Holder:
     def __init__(self):
         self.table = torch.ones(16)
