@@ -290,3 +290,71 @@ def test_sharing_memory_is_free_when_forward_writes_no_argument():
     buf = torch.randn(12, 8)
     torch.testing.assert_close(cm(buf[:6], buf[6:]), m(buf[:6], buf[6:]))
     torch.testing.assert_close(cm(buf[:6], buf[:6].view(6, 8)), m(buf[:6], buf[:6]))
+
+
+class WritesXReadsY(torch.nn.Module):
+    def forward(self, x, y):
+        x.add_(1)
+        return ATTN(y * 2, y, y)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_strided_argument_sharing_memory_with_a_written_one_is_refused(backend):
+    """The sharing check looked at the contiguous copy of a strided argument, which shares nothing:
+    ``cm(buf.t(), buf)`` ran with y blind to x's write (output 0 where eager gives 32), and two
+    overlapping strided views as the first call left the caller's buffer off by 3 (the copies were
+    written back one after the other). The check now reads the arguments as the caller passed them."""
+    m = WritesXReadsY()
+    cm = pw.compile(m, _cfg(backend=backend), dynamic_arg_dims={"x": 0, "y": 0})
+    cm(torch.randn(4, 4), torch.randn(4, 4))
+    buf = torch.zeros(4, 4)
+    with pytest.raises(pw.InputError, match="now: x and y; traced: none"):
+        cm(buf.t(), buf)
+    with pytest.raises(pw.InputError, match="now: x and y; traced: none"):
+        cm(buf, buf[:1].expand(4, 4))  # a broadcast view of the written argument
+    assert torch.equal(buf, torch.zeros(4, 4)), "nothing ran"
+
+    class WritesBoth(torch.nn.Module):
+        def forward(self, x, y):
+            x.add_(1)
+            y.mul_(3)
+            return ATTN(x + y, x, x)
+
+    first = pw.compile(WritesBoth(), _cfg(backend=backend, tag="writes_both"), dynamic_arg_dims={"x": 0, "y": 0})
+    base = torch.zeros(4, 8)
+    with pytest.raises(pw.InputError, match="'x' is strided and shares memory with 'y'"):
+        first(base.t()[:6], base.t()[2:])
+
+
+def test_overlapping_memory_in_two_storages_counts_as_sharing():
+    """Two tensors on one block of memory through two storages (numpy views): grouping by storage
+    missed it and Inductor's code was off by 1.55; address ranges catch it."""
+    np = pytest.importorskip("numpy")
+    m = WritesX()
+    cm = pw.compile(m, _cfg(), dynamic_arg_dims={"x": 0, "y": 0})
+    cm(torch.randn(6, 4), torch.randn(6, 4))
+    block = np.zeros((8, 4), dtype=np.float32)
+    x, y = torch.from_numpy(block[:6]), torch.from_numpy(block[2:])
+    assert x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
+    with pytest.raises(pw.InputError, match="now: x and y; traced: none"):
+        cm(x, y)
+
+
+def test_read_only_arguments_may_share_memory_differently_from_the_trace():
+    """Only sharing with a written argument matters: two read-only arguments passed as distinct
+    tensors, then as slices of one buffer, were refused though the trace covers both."""
+
+    class WritesXReadsAB(torch.nn.Module):
+        def forward(self, x, a, b):
+            x.add_(1)
+            return ATTN(a + b + x, a, b)
+
+    m = WritesXReadsAB()
+    cm = pw.compile(m, _cfg(), dynamic_arg_dims={"x": 0, "a": 0, "b": 0})
+    cm(torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4))
+    arena = torch.randn(6, 4)
+    for a, b in ((arena[:3], arena[3:]), (torch.randn(3, 4), torch.randn(3, 4)), (arena[:3], arena[:3])):
+        x = torch.randn(3, 4)
+        want_x = x.clone()
+        torch.testing.assert_close(cm(x, a, b), m(want_x, a, b))
+        torch.testing.assert_close(x, want_x)

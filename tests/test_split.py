@@ -4,7 +4,7 @@ import torch
 import torch.fx
 
 from piecewise.ops import splitting_op
-from piecewise.split import decompose_size_calls, split_graph
+from piecewise.split import decompose_size_calls, split_graph, written_inputs
 
 import piecewise.models.toy  # noqa: F401  registers piecewise_models::toy_attention
 
@@ -99,3 +99,37 @@ def test_whole_size_call_is_decomposed_per_dim():
 
 def _example_args(gm):
     return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+@splitting_op("pw_test_split::write_cache", mutates_args=("cache",))
+def write_cache(x: torch.Tensor, cache: torch.Tensor) -> None:
+    cache[: x.shape[0]].copy_(x)
+
+
+@write_cache.register_fake
+def _(x, cache):
+    return None
+
+
+def test_written_inputs_names_arguments_written_outside_splitting_ops_through_any_view():
+    """Read from the fake example values: a write through a view or slice counts, as do ``x[i] =``,
+    ``+=``, ``out=`` and ``inplace=True``; a write by a splitting op (a cache) and a read do not."""
+
+    def fn(x, cache, step, rows, table, out, scale, act):
+        torch.ops.pw_test_split.write_cache(x, cache)  # splitting op: not counted
+        step.view(-1).add_(1)
+        rows[0] = x[0]
+        table[:, 1:] += 1
+        torch.mul(x, 2, out=out)
+        torch.nn.functional.relu(act, inplace=True)
+        return x * scale + step
+
+    args = (torch.randn(3, 4), torch.zeros(8, 4), torch.zeros(1), torch.zeros(2, 4), torch.zeros(2, 3),
+            torch.zeros(3, 4), torch.ones(4), torch.randn(3, 4))
+    gm = _graph(fn, *args)
+    names = [n.name.removeprefix("l_").rstrip("_") for n in gm.graph.nodes if n.op == "placeholder"]
+    ops = frozenset({"pw_test_split::write_cache"})
+    assert sorted(names[i] for i in written_inputs(gm, range(len(names)), ops)) == ["act", "out", "rows", "step", "table"]
+    unwritten = [names.index(n) for n in ("x", "cache", "scale")]
+    assert written_inputs(gm, unwritten, ops) == ()
+    assert names.index("cache") in written_inputs(gm, unwritten, frozenset()), "without the splitting op set the cache counts"

@@ -330,7 +330,7 @@ class CompiledModel:
     def _after_first_run(self, versions: list[int], copies: list, args: tuple, kwargs: dict) -> None:
         """Which tensor arguments the first run wrote in place (`CallSignature.note_writes`), and
         the write-back of the contiguous copies it ran on."""
-        self._signature.note_writes(versions, args, kwargs)
+        self._signature.note_writes(versions, args, kwargs, copies)
         if self._signature.mutated:
             log.info("[%s] forward writes %s in place: every call checks which tensor arguments share memory",
                      self.tag, list(self._signature.mutated))

@@ -11,9 +11,10 @@ naming the argument and the remedy for anything the trace could not cover:
   contiguous, since its strides change with the size; any other layout change is an error);
   tensors that were one object in the traced call must still be one object;
 * when forward writes a tensor argument in place (seen at the first call by the tensors' version
-  counters), which tensor arguments share memory: the compiled code orders reads and writes for
-  the traced sharing (two views of one buffer against distinct tensors), so any other sharing is
-  an error;
+  counters), which arguments, as the caller passed them, share memory (one storage, or
+  overlapping addresses) with a written one: the compiled code orders reads and writes for the
+  traced sharing (two views of one buffer against distinct tensors), so other sharing is an error,
+  and so is a strided argument that would run on a copy while sharing memory with a written one;
 * ``None`` stays ``None``; other values (numbers, strings, flags, containers of them) must equal a
   snapshot of the traced value, type included (``1`` is not ``1.0``), so in-place edits of a
   list are caught; containers holding tensors are checked leaf by leaf;
@@ -86,15 +87,36 @@ class ObjectLeaf:
     type: type
 
 
-def _shared_memory(tensors: list[tuple[str, torch.Tensor]]) -> tuple[tuple[int, ...], ...]:
-    """Groups (indices into `tensors`) of two or more tensors on one memory block (by the data
-    pointer of their storage); tensors without memory (zero elements) share none."""
-    by_block: dict[tuple[str, int], list[int]] = {}
-    for i, (_, t) in enumerate(tensors):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr and t.numel():
-            by_block.setdefault((str(t.device), ptr), []).append(i)
-    return tuple(tuple(g) for g in by_block.values() if len(g) > 1)
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``[first, last + 1)`` of the bytes a tensor with elements can touch."""
+    low = high = 0
+    for size, stride in zip(t.shape, t.stride()):
+        span = (size - 1) * stride
+        if span < 0:
+            low += span
+        else:
+            high += span
+    start, item = t.data_ptr(), t.element_size()
+    return start + low * item, start + (high + 1) * item
+
+
+def _sharing_pairs(tensors: list[tuple[str, torch.Tensor]], written: frozenset[int]) -> frozenset[tuple[int, int]]:
+    """Pairs ``(i, j)``, i < j, of indices into `tensors` where one is in `written` and the two share
+    memory: one storage (what AOTAutograd's handling of a written input that aliases another keys
+    on, even for disjoint slices), or overlapping address ranges (two storages on one memory, as
+    from numpy or DLPack). Tensors without elements share nothing."""
+    info = [(t.device, t.untyped_storage().data_ptr(), _extent(t)) if t.numel() else None for _, t in tensors]
+    pairs = set()
+    for i in written:
+        if info[i] is None:
+            continue
+        device, storage, (lo, hi) = info[i]
+        for j, other in enumerate(info):
+            if j == i or other is None or other[0] != device:
+                continue
+            if other[1] == storage or (other[2][0] < hi and lo < other[2][1]):
+                pairs.add((min(i, j), max(i, j)))
+    return frozenset(pairs)
 
 
 def _remedy_tag(name: str) -> str:
@@ -144,9 +166,12 @@ class CallSignature:
         self.objects: tuple[str, ...] = ()  # arguments recorded as plain objects
         #: tensor arguments (``name`` or ``name[leaf]``) the first call wrote in place
         self.mutated: tuple[str, ...] = ()
-        #: when `mutated`: the traced call's tensor arguments that share memory, as groups of
-        #: indices into `tensors` (None: forward writes no argument, so sharing cannot matter)
-        self.shared_memory: tuple[tuple[int, ...], ...] | None = None
+        #: indices into `tensors` of the arguments in `mutated`
+        self.written: frozenset[int] = frozenset()
+        #: when `mutated`: the pairs (indices into `tensors`) of the traced call's tensor arguments
+        #: that share memory with a written one (None: forward writes no argument, so sharing
+        #: cannot matter)
+        self.shared_memory: frozenset[tuple[int, int]] | None = None
         self.names = frozenset(p.name for p in self.params)  # parameters forward names (not **kwargs)
 
     # -- recording ----------------------------------------------------------------------------
@@ -292,6 +317,7 @@ class CallSignature:
                                  f"({self.var_kw_order}); forward may iterate them in that order. Pass them in the traced order")
         new_args: list | None = None
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        passed = args, kwargs
         for spec in self.specs:
             pos = spec.position
             if pos is not None and pos < len(args):
@@ -337,10 +363,9 @@ class CallSignature:
                 names = [self.specs[i].name if j is None else f"{self.specs[i].name}[{j}]" for i, j in group]
                 raise InputError(f"[{self.tag}] arguments {names} were one tensor when traced and differ now; the trace "
                                  "reads only one of them. Pass distinct tensors on the first call too")
-        args = tuple(new_args) if new_args is not None else args
         if self.shared_memory is not None:
-            self._check_shared_memory(args, kwargs)
-        return args, kwargs, copies
+            self._check_shared_memory(*passed, copies)
+        return (tuple(new_args) if new_args is not None else args), kwargs, copies
 
     # -- arguments forward writes ----------------------------------------------------------------
     def tensors(self, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
@@ -361,24 +386,56 @@ class CallSignature:
         """The tensor arguments' version counters (bumped by every in-place write), for `note_writes`."""
         return [t._version for _, t in self.tensors(args, kwargs)]
 
-    def note_writes(self, before: list[int], args: tuple, kwargs: dict) -> None:
-        """After the first run: record which tensor arguments forward wrote in place (`versions`
-        taken before it) and, if any, which tensor arguments shared memory in that call."""
-        tensors = self.tensors(args, kwargs)
-        self.mutated = tuple(name for (name, t), v in zip(tensors, before) if t._version != v)
-        self.shared_memory = _shared_memory(tensors) if self.mutated else None
+    def note_writes(self, before: list[int], args: tuple, kwargs: dict,
+                    copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After the first run (on `args` as `check` returned them, with `versions` taken before
+        it): record which tensor arguments forward wrote in place and, if any, which pairs of tensor
+        arguments as the caller passed them shared memory with a written one.
 
-    def _check_shared_memory(self, args: tuple, kwargs: dict) -> None:
+        Raises:
+            InputError: a strided argument that ran on a contiguous copy shares memory with a
+                written argument: writes through one did not reach the other in this run.
+        """
         tensors = self.tensors(args, kwargs)
-        now = _shared_memory(tensors)
+        written = {i for i, ((_, t), v) in enumerate(zip(tensors, before)) if t._version != v}
+        self.mutated = tuple(tensors[i][0] for i in sorted(written))
+        if not written:
+            return
+        original = {id(c): o for o, c in copies}
+        passed = [(name, original.get(id(t), t)) for name, t in tensors]
+        self.written = frozenset(written)
+        self.shared_memory = _sharing_pairs(passed, self.written)
+        self._refuse_copies_in(self.shared_memory, passed, tensors, copies, "this call's in-place writes are incomplete")
+
+    def _check_shared_memory(self, args: tuple, kwargs: dict, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        passed = self.tensors(args, kwargs)
+        now = _sharing_pairs(passed, self.written)
         if now != self.shared_memory:
-            def show(groups: tuple[tuple[int, ...], ...]) -> str:
-                return "; ".join(" and ".join(tensors[i][0] for i in g) for g in groups) or "none"
+            def show(pairs: frozenset[tuple[int, int]]) -> str:
+                return "; ".join(f"{passed[i][0]} and {passed[j][0]}" for i, j in sorted(pairs)) or "none"
 
             raise InputError(f"[{self.tag}] forward writes {list(self.mutated)} in place, and the tensor arguments sharing "
-                             f"memory differ from the traced call (now: {show(now)}; traced: {show(self.shared_memory)}): "
-                             "the compiled code orders its reads and writes for the traced sharing. Pass tensors that share "
-                             "memory as they did on the first call (clone a view to give it memory of its own)")
+                             f"memory with them differ from the traced call (now: {show(now)}; traced: "
+                             f"{show(self.shared_memory)}): the compiled code orders its reads and writes for the traced "
+                             "sharing. Pass tensors that share memory as they did on the first call (clone a view to give it "
+                             "memory of its own)")
+        if copies:
+            self._refuse_copies_in(now, passed, passed, copies, "nothing ran")
+
+    def _refuse_copies_in(self, pairs: frozenset[tuple[int, int]], passed: list[tuple[str, torch.Tensor]],
+                          ran: list[tuple[str, torch.Tensor]], copies: list[tuple[torch.Tensor, torch.Tensor]],
+                          outcome: str) -> None:
+        """InputError if an argument that runs on a contiguous copy is in one of `pairs` (shares
+        memory with an argument forward writes)."""
+        copied = {id(o) for o, _ in copies} | {id(c) for _, c in copies}
+        for i, j in sorted(pairs):
+            for k in (i, j):
+                if id(passed[k][1]) in copied or id(ran[k][1]) in copied:
+                    other = passed[j if k == i else i][0]
+                    raise InputError(f"[{self.tag}] {passed[k][0]!r} is strided and shares memory with {other!r}, and forward "
+                                     f"writes {list(self.mutated)} in place: it runs on a contiguous copy, which does not "
+                                     f"see writes through {other!r} (nor they its); {outcome}. Pass it contiguous, or "
+                                     "clone it")
 
     @staticmethod
     def write_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -87,6 +87,61 @@ def is_splitting_node(node: torch.fx.Node, split_ops: frozenset[str]) -> bool:
     return node.op == "call_function" and _target_name(node.target) in split_ops
 
 
+#: Python's in-place operators (``x += y`` on a tensor writes x)
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                                operator.imod, operator.ipow, operator.ilshift, operator.irshift, operator.iand,
+                                operator.ior, operator.ixor, operator.imatmul, operator.setitem})
+
+
+def _written_operands(node: torch.fx.Node, split_ops: frozenset[str]) -> list[object]:
+    """The operands a node of a Dynamo graph writes in place (splitting ops excluded): the first
+    argument of an in-place method or function (name ending in ``_``), of an in-place operator or
+    ``x[i] = v``, or of a call with ``inplace=True``; an ``out=`` argument; and the written
+    arguments of an op overload whose schema says so."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return [node.args[0]] if node.args and name.endswith("_") and not name.startswith("_") else []
+    if node.op != "call_function" or is_splitting_node(node, split_ops):
+        return []
+    target, out = node.target, []
+    if "out" in node.kwargs:
+        out += list(node.kwargs["out"]) if isinstance(node.kwargs["out"], (tuple, list)) else [node.kwargs["out"]]
+    name = getattr(target, "__name__", "")
+    if node.args and (target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
+                      or (isinstance(name, str) and name.endswith("_") and not name.startswith("_"))):
+        out.append(node.args[0])
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        schemas = [target._schema] if isinstance(target, torch._ops.OpOverload) else [
+            getattr(target, o)._schema for o in target.overloads()]
+        for schema in schemas:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    return out
+
+
+def written_inputs(gm: torch.fx.GraphModule, candidates: Iterable[int], split_ops: frozenset[str]) -> tuple[int, ...]:
+    """Of the graph inputs `candidates` (placeholder indices), those whose memory a node other than
+    a splitting op writes in place, directly or through a view: read from the Dynamo graph's fake
+    example values, whose views share their base's (fake) storage. Splitting ops are left out: they
+    write caches by design and skip writes for zero real tokens."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(node: object) -> object:
+        value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    wanted = {i: storage(placeholders[i]) for i in candidates if i < len(placeholders)}
+    written: set[object] = set()
+    for node in gm.graph.nodes:
+        for operand in _written_operands(node, split_ops):
+            ref = storage(operand)
+            if ref is not None:
+                written.add(ref)
+    return tuple(sorted(i for i, ref in wanted.items() if ref is not None and ref in written))
+
+
 def _is_whole_size_call(node: torch.fx.Node) -> bool:
     if node.kwargs:
         return False

@@ -362,6 +362,39 @@ def test_an_input_forward_writes_in_place_gets_the_write_under_graphs(strategy):
         assert counters.padding_refusals == 0 and counters.graph_replays > 0 and counters.recompiles == 0
 
 
+class _WritesStep(torch.nn.Module):
+    """Writes an argument without a token dim in place outside splitting ops (a step counter)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qk = torch.nn.Linear(8, 16)
+
+    def forward(self, x, step):
+        step.add_(1)
+        q, k = self.qk(x).chunk(2, dim=-1)
+        out = torch.empty_like(q)
+        torch.ops.pw_test_graphs.gate(q, k, out)
+        return out * step
+
+
+def test_an_argument_without_token_dim_written_in_place_is_written_once_a_call_under_graphs(strategy):
+    """Warm-ups, captures and the padding check run forward on it in place: the first call left
+    the counter at 12 instead of 1 (every later output off by 8-17), and the check then turned
+    graphs off with a false report. Now it is kept across those runs and put back."""
+    model = _WritesStep().eval()
+    with fake_cpu_platform():
+        cm = _compile(model, strategy=strategy)
+        step, want_step = torch.zeros(1), torch.zeros(1)
+        for n in (3, 3, 5, 16, 4):
+            x = torch.randn(n, 8)
+            with torch.no_grad():
+                want = model(x, want_step)
+                torch.testing.assert_close(cm(x, step), want, rtol=1e-5, atol=1e-5)
+            assert step.item() == want_step.item()
+        assert counters.padding_refusals == 0 and counters.graph_replays > 0 and counters.recompiles == 0
+
+
 @pytest.mark.parametrize("dim,shape", [(1, (2, None, 8)), (2, (2, 3, None, 8)), (0, (None, 2, 8))])
 @pytest.mark.parametrize("backend", ["eager", "inductor", "inductor_partition"])
 def test_any_token_dim_pads_into_contiguous_static_buffers(dim, shape, backend):

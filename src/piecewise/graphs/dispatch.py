@@ -107,11 +107,14 @@ class GraphDispatcher:
         argument_inputs: the forward's own tensor arguments without a token dim (`GraphPlan`):
             graphs read them in place, so every call checks that each is still at its capture
             address (one ``data_ptr`` each) and raises `CaptureError` naming it otherwise.
+        written_arguments: of `argument_inputs`, those forward writes in place outside splitting
+            ops (`GraphPlan`); kept across the extra runs (`_keep_arguments`).
     """
 
     def __init__(self, stitched: Stitched, runner: GraphPool, capture_sizes: Sequence[int], *,
                  static_inputs: list[StaticInput], output_dims: list[int | None], cudagraph_mode: str, max_num_tokens: int,
-                 tag: str, token_count_inputs: Sequence[int] = (), argument_inputs: Sequence[int] = ()) -> None:
+                 tag: str, token_count_inputs: Sequence[int] = (), argument_inputs: Sequence[int] = (),
+                 written_arguments: Sequence[int] = ()) -> None:
         from .capture_sizes import PaddingTable
 
         forward = stitched.forward
@@ -121,6 +124,7 @@ class GraphDispatcher:
         self.sym_index = stitched.sym_index
         self.token_count_inputs = tuple(token_count_inputs) or (self.sym_index,)
         self.argument_inputs = tuple(argument_inputs)
+        self.written_arguments = tuple(written_arguments)
         self._argument_ptrs: tuple[tuple[int, int], ...] = ()
         self.static_inputs = static_inputs
         self.output_dims = output_dims
@@ -246,7 +250,9 @@ class GraphDispatcher:
         before = list(args)
         for si in self.static_inputs:
             before[si.index] = args[si.index].clone()
+        kept = self._keep_arguments(args)
         expected = _clone(self.plain(*args))
+        after = self._keep_arguments(args)
         args = tuple(before)
         worst = 0.0
         for fill in ("zeros", "copies"):
@@ -258,12 +264,14 @@ class GraphDispatcher:
                     reps = -(-(padded - n) // n)
                     pad.copy_(torch.cat([src] * reps, dim=si.dim).narrow(si.dim, 0, padded - n))
             self.select_entry(padded)
+            self._restore_arguments(kept)
             token = enter_forward(ForwardContext(n, padded, RuntimeMode.NONE, None, self.tag))
             try:
                 got = self._slice(self.forward(*padded_args), n)
             finally:
                 exit_forward(token)
             worst = max(worst, _max_rel_diff(expected, got))
+        self._restore_arguments(after)
         self._padding_verified = True
         # Row-local models differ only by rounding between an n-row and a padded call (BLAS blocks
         # by size): ~1e-6 relative in fp32, a few ulps (~1e-2) in half precision. A leak is O(1).
@@ -278,6 +286,20 @@ class GraphDispatcher:
             counters.bump("padding_refusals", tag=self.tag)
             self.reset()
         return expected
+
+    def _keep_arguments(self, args: tuple[Any, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the forward's tensor arguments without a token dim that it writes in place
+        outside splitting ops (`written_arguments`; runs use them in place): warm-ups, captures
+        and the padding check run forward more often than the caller called it, so those writes are
+        put back afterwards (`_restore_arguments`) and the caller sees one write a call, as in
+        eager. Splitting ops write nothing for zero real tokens and the same state for the same
+        tokens (a KV cache), so what only they write is not copied."""
+        return [(args[i], args[i].clone()) for i in self.written_arguments if isinstance(args[i], torch.Tensor)]
+
+    @staticmethod
+    def _restore_arguments(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for tensor, copy in kept:
+            tensor.copy_(copy)
 
     def _verify_bound(self, args: tuple[Any, ...]) -> None:
         """Module state changed somewhere (`piecewise.state`): a weight or buffer every graph reads in
@@ -316,6 +338,7 @@ class GraphDispatcher:
         ``forward_context().num_tokens`` write nothing (no KV-cache entries for dummy rows)."""
         self.captured = True
         before = counters.snapshot()
+        kept = self._keep_arguments(template)
         modes = ["piecewise"] if self.mode == "piecewise" else ["full"] if self.mode == "full" else ["full", "piecewise"]
         for size in sorted(self.sizes, reverse=True):
             for mode in modes:
@@ -332,6 +355,7 @@ class GraphDispatcher:
                             raise CaptureError(f"[{self.tag}] warm-up before graph capture failed at size {size} "
                                                f"({mode} mode): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
                                                "Set cudagraph_mode='none' to run without graphs") from e
+        self._restore_arguments(kept)
         d = counters.delta_since(before)
         log.info("[%s] captured %d graphs over %d sizes (%s), pool %.1f MB; sizes %s", self.tag, d.get("graphs_captured", 0),
                  len(self.sizes), self.mode, self.runner.total_pool_bytes / 2**20, self.sizes)
