@@ -113,11 +113,15 @@ def _(x, cache):
 
 def test_written_inputs_names_arguments_written_outside_splitting_ops_through_any_view():
     """Read from the fake example values: a write through a view or slice counts, as do ``x[i] =``,
-    ``+=``, ``out=`` and ``inplace=True``; a write by a splitting op (a cache) and a read do not."""
+    ``+=``, ``x.__iadd__``, ``torch._foreach_add_`` (a list operand), ``out=`` and ``inplace=True``
+    (the method and list spellings were missed at first); a write by a splitting op (a cache) and a
+    read do not."""
 
-    def fn(x, cache, step, rows, table, out, scale, act):
+    def fn(x, cache, step, rows, table, out, scale, act, counter, listed):
         torch.ops.pw_test_split.write_cache(x, cache)  # splitting op: not counted
         step.view(-1).add_(1)
+        counter.__iadd__(1)
+        torch._foreach_add_([listed], 1.0)
         rows[0] = x[0]
         table[:, 1:] += 1
         torch.mul(x, 2, out=out)
@@ -125,11 +129,12 @@ def test_written_inputs_names_arguments_written_outside_splitting_ops_through_an
         return x * scale + step
 
     args = (torch.randn(3, 4), torch.zeros(8, 4), torch.zeros(1), torch.zeros(2, 4), torch.zeros(2, 3),
-            torch.zeros(3, 4), torch.ones(4), torch.randn(3, 4))
+            torch.zeros(3, 4), torch.ones(4), torch.randn(3, 4), torch.zeros(2), torch.zeros(2))
     gm = _graph(fn, *args)
     names = [n.name.removeprefix("l_").rstrip("_") for n in gm.graph.nodes if n.op == "placeholder"]
     ops = frozenset({"pw_test_split::write_cache"})
-    assert sorted(names[i] for i in written_inputs(gm, range(len(names)), ops)) == ["act", "out", "rows", "step", "table"]
+    assert sorted(names[i] for i in written_inputs(gm, range(len(names)), ops)) == ["act", "counter", "listed", "out", "rows", "step",
+                                                                                  "table"]
     unwritten = [names.index(n) for n in ("x", "cache", "scale")]
     assert written_inputs(gm, unwritten, ops) == ()
     assert names.index("cache") in written_inputs(gm, unwritten, frozenset()), "without the splitting op set the cache counts"

@@ -95,8 +95,8 @@ class PiecewiseBackend:
         self._mixing: list[str] = []
         #: graph inputs that are the forward's own arguments (`_argument_inputs`), set by the trace
         self._argument_inputs: tuple[int, ...] = ()
-        #: of those, the ones a non-splitting op writes in place (`split.written_inputs`)
-        self._written_arguments: tuple[int, ...] = ()
+        #: graph inputs a non-splitting op writes in place (`split.written_inputs`)
+        self._written_inputs: tuple[int, ...] = ()
         self._input_names: list[str] = []  # graph inputs as the user names them, for messages
         self._cache_meta: dict[str, Any] | None = None
 
@@ -148,8 +148,8 @@ class PiecewiseBackend:
         graph_hash = hashlib.sha256(gm.code.encode()).hexdigest()  # before splitting rewrites the graph
         self._mixing = self._token_mixing(gm, example_inputs)
         self._argument_inputs = _argument_inputs(gm)
-        self._written_arguments = written_inputs(gm, self._argument_inputs,
-                                                 frozenset(self.split_ops) | frozenset(registered_splitting_ops()))
+        self._written_inputs = written_inputs(gm, range(sum(n.op == "placeholder" for n in gm.graph.nodes)),
+                                              frozenset(self.split_ops) | frozenset(registered_splitting_ops()))
         self._input_names = _input_names(gm)
         t0 = time.perf_counter()
         split = self._split(gm)
@@ -303,7 +303,7 @@ class PiecewiseBackend:
             fake_outputs = _Propagate(split.split_module).run(*fake_inputs)
         progress.close()
         graph_plan = (plan_graphs(fake_inputs, fake_outputs, symbol, self._mixing, self._argument_inputs,
-                                  self._written_arguments)
+                                  self._written_inputs)
                       if sym_index is not None else None)
         # under "backed" dynamic shapes sizes 0 and 1 are refused by the call signature already
         lo = 2 if self.config.dynamic_shapes == "backed" else 1

@@ -7,7 +7,7 @@ naming the argument and the remedy for anything the trace could not cover:
 
 * tensors: dtype, device, rank, static dims; dynamic dims <= ``max_num_tokens``; the memory layout
   (a traced contiguous input that arrives strided runs on a contiguous copy, written back into it
-  when forward wrote the copy in place; a strided first input with a dynamic dim is traced
+  when forward wrote the copy in place; a transposed first input with a dynamic dim is traced
   contiguous, since its strides change with the size; any other layout change is an error);
   tensors that were one object in the traced call must still be one object;
 * when forward writes a tensor argument in place (seen at the first call by the tensors' version
@@ -41,7 +41,7 @@ from .errors import InputError
 
 log = logging.getLogger("piecewise")
 
-__all__ = ["CallSignature"]
+__all__ = ["CallSignature", "version"]
 
 _MISSING = object()
 
@@ -85,6 +85,26 @@ class ObjectLeaf:
     """A plain object inside a container argument: its type is checked, its content by guards."""
 
     type: type
+
+
+#: a strided argument, the contiguous copy it runs on, and the copy's `version` when made
+Copy = tuple[torch.Tensor, torch.Tensor, "int | None"]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t` covers its memory without gaps or overlap (a permutation of a contiguous tensor)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda d: (d[1], d[0])):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def version(t: torch.Tensor) -> int | None:
+    """`t`'s version counter (bumped by every in-place write), or None for an inference tensor
+    (made under ``torch.inference_mode()``), which has none."""
+    return None if t.is_inference() else t._version
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -181,12 +201,15 @@ class CallSignature:
                 raise InputError(f"dynamic_arg_dims marks dim {d} of {name!r}, but it has rank {v.dim()}")
         dyn = {d % v.dim() for d in dims}
         shape = tuple(None if d in dyn else s for d, s in enumerate(v.shape))
-        # strides of a strided tensor follow its sizes: with a dynamic dim no later size has the
-        # traced strides, so the trace takes it contiguous (every call runs on a contiguous copy)
-        contiguous = v.is_contiguous() or bool(dyn)
+        # a dense permutation of a contiguous tensor (a transpose) has strides that follow its sizes:
+        # with a dynamic dim no later size has the traced strides, so the trace takes it contiguous
+        # (every call runs on a contiguous copy). Other strides (rows of a wider buffer) stay fixed
+        # across sizes and are traced as they are.
+        contiguous = v.is_contiguous() or (bool(dyn) and _dense(v))
         return TensorSpec(v.dtype, v.device, shape, contiguous, None if contiguous else tuple(v.stride()))
 
     def record(self, args: tuple, kwargs: dict) -> None:
+        self.mutated, self.written, self.shared_memory = (), frozenset(), None  # seen again after the run
         if len(args) > len(self.params):
             raise InputError(f"[{self.tag}] {len(args)} positional arguments given; pass the extra ones by name")
         known = self.names
@@ -301,9 +324,9 @@ class CallSignature:
                              "traced layout (or a contiguous tensor and recompile)")
         return v
 
-    def check(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def check(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[Copy]]:
         """Validate a call; returns the arguments to run with (strided inputs made contiguous) and
-        the ``(argument, contiguous copy)`` pairs to hand to `write_back` after the run.
+        the `Copy` records (argument, contiguous copy, its version) to hand to `write_back` after the run.
 
         Raises:
             InputError: naming the argument and the remedy.
@@ -316,7 +339,7 @@ class CallSignature:
                 raise InputError(f"[{self.tag}] keyword arguments {order} reach **kwargs in another order than traced "
                                  f"({self.var_kw_order}); forward may iterate them in that order. Pass them in the traced order")
         new_args: list | None = None
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copies: list[Copy] = []
         passed = args, kwargs
         for spec in self.specs:
             pos = spec.position
@@ -332,7 +355,7 @@ class CallSignature:
             if kind == "tensor":
                 w = self._check_tensor(spec.name, v, spec.tensor)
                 if w is not v:
-                    copies.append((v, w))
+                    copies.append((v, w, version(w)))
                     if pos is not None and pos < len(args):
                         new_args = new_args if new_args is not None else list(args)
                         new_args[pos] = w
@@ -382,32 +405,34 @@ class CallSignature:
                 out += [(f"{spec.name}[{j}]", x) for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         return out
 
-    def versions(self, args: tuple, kwargs: dict) -> list[int]:
-        """The tensor arguments' version counters (bumped by every in-place write), for `note_writes`."""
-        return [t._version for _, t in self.tensors(args, kwargs)]
+    def versions(self, args: tuple, kwargs: dict) -> list[int | None]:
+        """The tensor arguments' version counters (`version`), for `note_writes`."""
+        return [version(t) for _, t in self.tensors(args, kwargs)]
 
-    def note_writes(self, before: list[int], args: tuple, kwargs: dict,
-                    copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def note_writes(self, before: list[int | None], args: tuple, kwargs: dict,
+                    copies: list[Copy]) -> None:
         """After the first run (on `args` as `check` returned them, with `versions` taken before
         it): record which tensor arguments forward wrote in place and, if any, which pairs of tensor
-        arguments as the caller passed them shared memory with a written one.
+        arguments as the caller passed them shared memory with a written one. Inference tensors
+        have no version counter: writes to them are not seen (nor is sharing checked for them).
 
         Raises:
             InputError: a strided argument that ran on a contiguous copy shares memory with a
                 written argument: writes through one did not reach the other in this run.
         """
         tensors = self.tensors(args, kwargs)
-        written = {i for i, ((_, t), v) in enumerate(zip(tensors, before)) if t._version != v}
+        written = {i for i, ((_, t), v) in enumerate(zip(tensors, before)) if v is not None and version(t) != v}
         self.mutated = tuple(tensors[i][0] for i in sorted(written))
+        self.written, self.shared_memory = frozenset(), None
         if not written:
             return
-        original = {id(c): o for o, c in copies}
+        original = {id(c): o for o, c, _ in copies}
         passed = [(name, original.get(id(t), t)) for name, t in tensors]
         self.written = frozenset(written)
         self.shared_memory = _sharing_pairs(passed, self.written)
         self._refuse_copies_in(self.shared_memory, passed, tensors, copies, "this call's in-place writes are incomplete")
 
-    def _check_shared_memory(self, args: tuple, kwargs: dict, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _check_shared_memory(self, args: tuple, kwargs: dict, copies: list[Copy]) -> None:
         passed = self.tensors(args, kwargs)
         now = _sharing_pairs(passed, self.written)
         if now != self.shared_memory:
@@ -423,11 +448,11 @@ class CallSignature:
             self._refuse_copies_in(now, passed, passed, copies, "nothing ran")
 
     def _refuse_copies_in(self, pairs: frozenset[tuple[int, int]], passed: list[tuple[str, torch.Tensor]],
-                          ran: list[tuple[str, torch.Tensor]], copies: list[tuple[torch.Tensor, torch.Tensor]],
+                          ran: list[tuple[str, torch.Tensor]], copies: list[Copy],
                           outcome: str) -> None:
         """InputError if an argument that runs on a contiguous copy is in one of `pairs` (shares
         memory with an argument forward writes)."""
-        copied = {id(o) for o, _ in copies} | {id(c) for _, c in copies}
+        copied = {id(o) for o, _, _ in copies} | {id(c) for _, c, _ in copies}
         for i, j in sorted(pairs):
             for k in (i, j):
                 if id(passed[k][1]) in copied or id(ran[k][1]) in copied:
@@ -438,11 +463,12 @@ class CallSignature:
                                      "clone it")
 
     @staticmethod
-    def write_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def write_back(copies: list[Copy]) -> None:
         """After a run on contiguous copies (`check`): copy each copy forward wrote in place back
         into the caller's tensor, as eager forward would have written it."""
-        for original, copy_ in copies:
-            if copy_._version:  # a fresh copy starts at version 0
+        for original, copy_, made in copies:
+            # an inference tensor's copy has no version counter: its values are compared instead
+            if version(copy_) != made if made is not None else not torch.equal(original, copy_):
                 original.copy_(copy_)
 
     def _at(self, where: tuple[int, int | None], args: tuple, kwargs: dict) -> Any:

@@ -91,24 +91,35 @@ def is_splitting_node(node: torch.fx.Node, split_ops: frozenset[str]) -> bool:
 _INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                                 operator.imod, operator.ipow, operator.ilshift, operator.irshift, operator.iand,
                                 operator.ior, operator.ixor, operator.imatmul, operator.setitem})
+#: their method spellings (``x.__iadd__(y)``)
+_INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
+
+
+def _writes_in_place(name: object) -> bool:
+    """A method or function name that writes its first argument: ``add_``, ``_foreach_add_``,
+    ``__iadd__``, ``__setitem__`` (not other dunders such as ``__add__``)."""
+    if not isinstance(name, str):
+        return False
+    if name.startswith("__") and name.endswith("__"):
+        return name in _INPLACE_DUNDERS
+    return name.endswith("_")
 
 
 def _written_operands(node: torch.fx.Node, split_ops: frozenset[str]) -> list[object]:
     """The operands a node of a Dynamo graph writes in place (splitting ops excluded): the first
-    argument of an in-place method or function (name ending in ``_``), of an in-place operator or
+    argument of an in-place method or function (`_writes_in_place`), of an in-place operator or
     ``x[i] = v``, or of a call with ``inplace=True``; an ``out=`` argument; and the written
-    arguments of an op overload whose schema says so."""
+    arguments of an op overload whose schema says so. An operand may be a list of tensors
+    (``torch._foreach_add_``)."""
     if node.op == "call_method":
-        name = str(node.target)
-        return [node.args[0]] if node.args and name.endswith("_") and not name.startswith("_") else []
+        return [node.args[0]] if node.args and _writes_in_place(node.target) else []
     if node.op != "call_function" or is_splitting_node(node, split_ops):
         return []
     target, out = node.target, []
     if "out" in node.kwargs:
         out += list(node.kwargs["out"]) if isinstance(node.kwargs["out"], (tuple, list)) else [node.kwargs["out"]]
-    name = getattr(target, "__name__", "")
     if node.args and (target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
-                      or (isinstance(name, str) and name.endswith("_") and not name.startswith("_"))):
+                      or _writes_in_place(getattr(target, "__name__", None))):
         out.append(node.args[0])
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         schemas = [target._schema] if isinstance(target, torch._ops.OpOverload) else [
@@ -131,11 +142,14 @@ def written_inputs(gm: torch.fx.GraphModule, candidates: Iterable[int], split_op
         value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
         return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
+    def operands(x: object) -> list[object]:
+        return [y for item in x for y in operands(item)] if isinstance(x, (list, tuple)) else [x]
+
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     wanted = {i: storage(placeholders[i]) for i in candidates if i < len(placeholders)}
     written: set[object] = set()
     for node in gm.graph.nodes:
-        for operand in _written_operands(node, split_ops):
+        for operand in operands(_written_operands(node, split_ops)):
             ref = storage(operand)
             if ref is not None:
                 written.add(ref)

@@ -29,6 +29,7 @@ import torch
 from .. import state
 from ..counters import counters
 from ..errors import CaptureError
+from ..inputs import version
 from ..forward_context import BatchDescriptor, ForwardContext, RuntimeMode, enter_forward, exit_forward
 from .wrapper import GraphPool, PieceGraphWrapper
 
@@ -107,14 +108,14 @@ class GraphDispatcher:
         argument_inputs: the forward's own tensor arguments without a token dim (`GraphPlan`):
             graphs read them in place, so every call checks that each is still at its capture
             address (one ``data_ptr`` each) and raises `CaptureError` naming it otherwise.
-        written_arguments: of `argument_inputs`, those forward writes in place outside splitting
-            ops (`GraphPlan`); kept across the extra runs (`_keep_arguments`).
+        written_inputs: graph inputs forward writes in place outside splitting ops (`GraphPlan`):
+            those of `argument_inputs` are kept across the extra runs (`_keep_arguments`).
     """
 
     def __init__(self, stitched: Stitched, runner: GraphPool, capture_sizes: Sequence[int], *,
                  static_inputs: list[StaticInput], output_dims: list[int | None], cudagraph_mode: str, max_num_tokens: int,
                  tag: str, token_count_inputs: Sequence[int] = (), argument_inputs: Sequence[int] = (),
-                 written_arguments: Sequence[int] = ()) -> None:
+                 written_inputs: Sequence[int] = ()) -> None:
         from .capture_sizes import PaddingTable
 
         forward = stitched.forward
@@ -124,7 +125,8 @@ class GraphDispatcher:
         self.sym_index = stitched.sym_index
         self.token_count_inputs = tuple(token_count_inputs) or (self.sym_index,)
         self.argument_inputs = tuple(argument_inputs)
-        self.written_arguments = tuple(written_arguments)
+        self.written_arguments = tuple(i for i in written_inputs if i in self.argument_inputs)
+        self.written_static = frozenset(written_inputs)
         self._argument_ptrs: tuple[tuple[int, int], ...] = ()
         self.static_inputs = static_inputs
         self.output_dims = output_dims
@@ -151,7 +153,7 @@ class GraphDispatcher:
         #: the static inputs forward writes in place, seen by their buffers' version counters in the
         #: first padded run (None: not run yet). Graphs write the padded buffer, so each call copies
         #: its real rows back into the caller's tensor, as eager forward would have written it.
-        self.written_inputs: list[StaticInput] | None = None
+        self.written_token_inputs: list[StaticInput] | None = None
         runner.on_size_failed = self._drop_size
 
     def _drop_size(self, size: int) -> None:
@@ -185,7 +187,7 @@ class GraphDispatcher:
         padded_args = self._fill(args, n, padded)
         self.num_tokens_device.fill_(n)
         self.select_entry(padded)
-        versions = None if self.written_inputs is not None else [padded_args[si.index]._version for si in self.static_inputs]
+        versions = None if self.written_token_inputs is not None else [version(padded_args[si.index]) for si in self.static_inputs]
         token = enter_forward(ForwardContext(n, padded, mode, BatchDescriptor(padded, uniform), self.tag, self.num_tokens_device))
         try:
             out = self.full(*padded_args) if mode is RuntimeMode.FULL else self.forward(*padded_args)
@@ -193,12 +195,14 @@ class GraphDispatcher:
             exit_forward(token)
             self.runner.flush_replays()
         if versions is not None:  # the first run is eager (a warm-up), so in-place writes bump versions
-            self.written_inputs = [si for si, v in zip(self.static_inputs, versions) if padded_args[si.index]._version != v]
-            if self.written_inputs:
+            # inference tensors have no counter: the planner's static finding (`written_static`) stands in
+            self.written_token_inputs = [si for si, v in zip(self.static_inputs, versions)
+                                   if (version(padded_args[si.index]) != v if v is not None else si.index in self.written_static)]
+            if self.written_token_inputs:
                 log.info("[%s] forward writes graph input(s) %s in place: each call copies their real rows back", self.tag,
-                         [si.index for si in self.written_inputs])
+                         [si.index for si in self.written_token_inputs])
         if n:
-            for si in self.written_inputs:
+            for si in self.written_token_inputs:
                 args[si.index].narrow(si.dim, 0, n).copy_(padded_args[si.index].narrow(si.dim, 0, n))
         return self._slice(out, n)
 

@@ -40,9 +40,10 @@ class GraphPlan:
         argument_inputs: indices of tensor inputs without a token dim that are the forward's own
             arguments (not parameters or buffers). Graphs read them in place, so the dispatcher
             checks on every call that each is the tensor of the capture (same address).
-        written_arguments: of `argument_inputs`, those a non-splitting op writes in place: the
-            dispatcher keeps a copy of each across the extra runs of warm-up, capture and the
-            padding check, and puts it back, so the caller sees one write a call.
+        written_inputs: graph inputs a non-splitting op writes in place. The dispatcher keeps a
+            copy of each of `argument_inputs` among them across the extra runs of warm-up, capture
+            and the padding check, and puts it back, so the caller sees one write a call; for token
+            inputs it stands in for their version counters where they have none (inference tensors).
     """
 
     device: str
@@ -51,7 +52,7 @@ class GraphPlan:
     refused: str | None = None
     token_count_inputs: tuple[int, ...] = ()
     argument_inputs: tuple[int, ...] = ()
-    written_arguments: tuple[int, ...] = ()
+    written_inputs: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -166,12 +167,12 @@ def token_mixing(gm: torch.fx.GraphModule, symbol: Any, split_ops: frozenset[str
 
 
 def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, mixing: Sequence[str] = (),
-               argument_inputs: Sequence[int] = (), written_arguments: Sequence[int] = ()) -> GraphPlan:
+               argument_inputs: Sequence[int] = (), written_inputs: Sequence[int] = ()) -> GraphPlan:
     """The `GraphPlan` of a graph from its fake inputs and outputs. `refused` is set when inputs
     cannot be padded or the graph combines values across tokens (`mixing`, from `token_mixing`):
     padding would let pad rows into real results. `argument_inputs`: the graph inputs that are
-    the forward's arguments (the backend reads them from Dynamo's sources); `written_arguments`:
-    those a non-splitting op writes in place."""
+    the forward's arguments (the backend reads them from Dynamo's sources); `written_inputs`: the
+    graph inputs a non-splitting op writes in place."""
     device = next((x.device.type for x in fake_inputs if isinstance(x, torch.Tensor)), "cpu")
     if mixing:
         more = f" and {len(mixing) - 2} more" if len(mixing) > 2 else ""
@@ -213,7 +214,7 @@ def graph_plan(fake_inputs: Sequence[Any], fake_outputs: Any, symbol: Any, mixin
     arguments = tuple(i for i in argument_inputs if i < len(fake_inputs) and isinstance(fake_inputs[i], torch.Tensor)
                       and i not in static_index)
     return GraphPlan(device, tuple(statics), tuple(output_dims), token_count_inputs=tuple(counts),
-                     argument_inputs=arguments, written_arguments=tuple(i for i in written_arguments if i in arguments))
+                     argument_inputs=arguments, written_inputs=tuple(written_inputs))
 
 
 def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[Any], plan: GraphPlan) -> GraphInstall | None:
@@ -263,6 +264,6 @@ def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[
     dispatcher = GraphDispatcher(stitched, pool, sizes, static_inputs=[StaticInput(i, d) for i, d in plan.static_inputs],
                                  output_dims=list(plan.output_dims), cudagraph_mode=mode, max_num_tokens=config.max_num_tokens,
                                  tag=tag, token_count_inputs=plan.token_count_inputs,
-                                 argument_inputs=plan.argument_inputs, written_arguments=plan.written_arguments)
+                                 argument_inputs=plan.argument_inputs, written_inputs=plan.written_inputs)
     dispatcher.wrappers = wrappers
     return GraphInstall(dispatcher, pool, wrappers)
