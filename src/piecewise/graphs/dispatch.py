@@ -109,7 +109,8 @@ class GraphDispatcher:
             graphs read them in place, so every call checks that each is still at its capture
             address (one ``data_ptr`` each) and raises `CaptureError` naming it otherwise.
         written_inputs: graph inputs forward writes in place outside splitting ops (`GraphPlan`):
-            those of `argument_inputs` are kept across the extra runs (`_keep_arguments`).
+            those without a token dim (forward's arguments, module buffers) are kept across the
+            extra runs (`_keep_arguments`).
     """
 
     def __init__(self, stitched: Stitched, runner: GraphPool, capture_sizes: Sequence[int], *,
@@ -125,7 +126,9 @@ class GraphDispatcher:
         self.sym_index = stitched.sym_index
         self.token_count_inputs = tuple(token_count_inputs) or (self.sym_index,)
         self.argument_inputs = tuple(argument_inputs)
-        self.written_arguments = tuple(i for i in written_inputs if i in self.argument_inputs)
+        token_inputs = {si.index for si in static_inputs}
+        #: written inputs graphs read in place (no token dim): arguments, module buffers
+        self.written_arguments = tuple(i for i in written_inputs if i not in token_inputs)
         self.written_static = frozenset(written_inputs)
         self._argument_ptrs: tuple[tuple[int, int], ...] = ()
         self.static_inputs = static_inputs
@@ -292,8 +295,9 @@ class GraphDispatcher:
         return expected
 
     def _keep_arguments(self, args: tuple[Any, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the forward's tensor arguments without a token dim that it writes in place
-        outside splitting ops (`written_arguments`; runs use them in place): warm-ups, captures
+        """Copies of the graph inputs without a token dim that forward writes in place outside
+        splitting ops (`written_arguments`: its own arguments, module buffers such as a step
+        counter; runs use them in place): warm-ups, captures
         and the padding check run forward more often than the caller called it, so those writes are
         put back afterwards (`_restore_arguments`) and the caller sees one write a call, as in
         eager. Splitting ops write nothing for zero real tokens and the same state for the same

@@ -41,8 +41,9 @@ class GraphPlan:
             arguments (not parameters or buffers). Graphs read them in place, so the dispatcher
             checks on every call that each is the tensor of the capture (same address).
         written_inputs: graph inputs a non-splitting op writes in place. The dispatcher keeps a
-            copy of each of `argument_inputs` among them across the extra runs of warm-up, capture
-            and the padding check, and puts it back, so the caller sees one write a call; for token
+            copy of each of them without a token dim (forward's arguments, module buffers) across
+            the extra runs of warm-up, capture and the padding check, and puts it back, so the
+            caller and the module see one write a call; for token
             inputs it stands in for their version counters where they have none (inference tensors).
     """
 
