@@ -35,6 +35,11 @@ def _build(arch, attn, seed=0):
 
         common = {k: v for k, v in common.items() if k not in ("intermediate_size", "num_key_value_heads")}
         cfg = OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64)
+    elif arch == "gpt2":  # learned absolute position embeddings
+        from transformers import GPT2Config
+
+        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=512, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=None)
     else:
         raise AssertionError(arch)
     with torch.random.fork_rng(devices=[]):
@@ -142,6 +147,40 @@ def test_a_step_that_branches_on_one_new_token_gets_a_step_per_phase(caplog):
     for phase in ("", "_2"):
         assert counters.by_tag[f"{compiled.tag}_generate{phase}"].dynamo_traces == 1, phase
     assert f"{compiled.tag}_generate_3" not in counters.by_tag and counters.recompiles == 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+def test_a_plain_forward_without_position_ids_numbers_positions_as_the_model_does(arch):
+    """A call that passes no position ids (a plain forward on a left-padded batch) got them
+    numbered over the mask's real tokens, as OPT's forward does; GPT-2's (like most decoders')
+    numbers from the cache length, pads included, and its learned position embeddings put the
+    logits off by up to 30 at real tokens. Rotary Llama is the same either way."""
+    ids, mask = _prompts([5, 9, 2], seed=50)
+    real = mask.bool()
+    eager, compiled = _build(arch, "sdpa"), pw.compile(_build(arch, "piecewise"), _config())
+    for kw in ({"use_cache": False}, {}):
+        with torch.no_grad():
+            want, got = eager(ids, attention_mask=mask, **kw).logits, compiled(ids, attention_mask=mask, **kw).logits
+        torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-4)
+    assert counters.recompiles == 0
+
+
+def test_a_right_padded_row_attends_its_real_tokens_like_eager():
+    """Right padding (transformers warns, but runs it): a row's first new token comes from the
+    logits at its last position, a pad, which eager computes attending the row's real tokens and
+    not itself; piecewise's mask let every pad see itself: logits at pads off by up to 6.9 here,
+    and other prompts' first new tokens differed."""
+    ids, mask = _prompts([5, 9, 2], seed=3)
+    ids, mask = ids.flip(-1), mask.flip(-1)  # the same rows, padded on the right
+    expected = _eager("llama", ids, mask, max_new_tokens=6)
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert torch.equal(got, expected), f"\n{got.tolist()}\n{expected.tolist()}"
+    # every position's logits, the pads' included (each pad has real tokens before it)
+    with torch.no_grad():
+        want = _build("llama", "sdpa")(ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(compiled(ids, attention_mask=mask, use_cache=False).logits, want, rtol=1e-4, atol=1e-4)
+    assert counters.recompiles == 0
 
 
 def test_ten_generate_calls_of_any_batch_and_length_trace_once():

@@ -53,6 +53,12 @@ CACHED_ATTENTION_OP = "piecewise_models::hf_cached_attention"
 
 log = logging.getLogger("piecewise")
 
+#: model types whose forward, given no position ids, numbers the real tokens of the attention mask
+#: (``cumsum(mask) - 1``) rather than the positions from the cache length; among transformers'
+#: text decoders only OPT's does (its model forward; BioGPT's embedding can, but its model passes
+#: arange positions first)
+MASK_NUMBERED_POSITIONS = frozenset({"opt"})
+
 #: general generation steps per kind of logits, at most: one trace per phase (prompt, one new
 #: token) and room for one more size class; past that a refusal reaches the caller
 MAX_GENERAL_STEPS = 3
@@ -195,13 +201,18 @@ def attention_mask_for_step(write_pos: torch.Tensor, kv_valid: torch.Tensor, dty
     layer reshapes it), bool (True = attend), or additive in `dtype` (0 where seen, -inf where
     not: what SDPA would otherwise make of a bool mask on every layer): token ``t`` sees cache positions
     ``j <= write_pos[t]`` that are valid in `kv_valid` (``[batch, max_model_len]`` bool, False at
-    pad positions); a pad token also sees itself, so no row is fully masked (a fully masked row
-    would be NaN, and a NaN value poisons every row that weights it by zero). Built once a step,
-    inside the compiled graph, for every layer's `hf_cached_attention`."""
+    pad positions), as transformers' eager masks do. A pad token that would see nothing (left
+    padding: no real token before it) sees itself, so no row is fully masked (a fully masked row
+    would be NaN, and a NaN value poisons every row that weights it by zero); one with real tokens
+    before it (right padding) sees just those, not itself: its logits are what transformers reads
+    for such a row's first new token. Built once a step, inside the compiled graph, for every
+    layer's `hf_cached_attention`."""
     j = torch.arange(kv_valid.shape[1], device=kv_valid.device)
     causal = j[None, :] <= write_pos[:, None]  # [new_tokens, max_model_len]
     self_pos = j[None, :] == write_pos[:, None]
-    seen = (causal[None] & (kv_valid[:, None, :] | self_pos[None])).unsqueeze(1)
+    valid_seen = causal[None] & kv_valid[:, None, :]  # [batch, new_tokens, max_model_len]
+    alone = ~valid_seen.any(-1, keepdim=True)
+    seen = (valid_seen | (alone & self_pos[None])).unsqueeze(1)
     if dtype is None or dtype == torch.bool:
         return seen
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
@@ -332,6 +343,8 @@ class GenerationRoute:
         self.config = config
         self.tag = tag
         self.max_num_seqs = config.max_num_seqs
+        #: position ids a call leaves out are numbered over real tokens only (`_default_positions`)
+        self._numbers_real_tokens = getattr(model.config, "model_type", None) in MASK_NUMBERED_POSITIONS
         #: cache positions: the config's, capped by the model's own position limit
         self.max_model_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", None) or config.max_model_len)
         #: the limit named by refusals above `max_model_len`, and what raises it
@@ -486,8 +499,8 @@ class GenerationRoute:
         else:
             write_pos = torch.arange(past, total, device=input_ids.device)
         position_ids = kwargs.get("position_ids")
-        if position_ids is None:  # as transformers derives them: count of real tokens so far
-            position_ids = (valid[:batch, :total].long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        if position_ids is None:  # generate() passes them; a plain forward may not
+            position_ids = self._default_positions(valid[:batch, :total], past)
         # ``model.forward`` is the compiled model while generate() runs: take it off for the step, so
         # the trace (and its saved guards) see the model as it is outside generate().
         assigned = self.model.__dict__.pop("forward", None)
@@ -528,6 +541,18 @@ class GenerationRoute:
         if cache is not None:
             out["cache"] = cache
         return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
+
+    def _default_positions(self, valid: torch.Tensor, past: int) -> torch.Tensor:
+        """Position ids ``[1 or batch, new]`` (int64) for a call that passes none, as the model's own
+        forward would make them: transformers' decoders number positions from the cache length,
+        pads included (``arange(past, total)``: Llama, GPT-2, BioGPT and the rest); OPT numbers the
+        real tokens of the attention mask (`MASK_NUMBERED_POSITIONS`). `valid`: ``[batch, total]``
+        bool, False at pads. Rotary models give the same logits at real tokens either way (a row's
+        offset cancels in q.k); learned absolute embeddings do not: numbering GPT-2's left-padded
+        rows from the mask put its logits off by up to 30 at real tokens."""
+        if self._numbers_real_tokens:
+            return (valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        return torch.arange(past, valid.shape[1], device=valid.device)[None]
 
     def _run_general(self, first: Any, last_only: bool, one_token: bool, device: torch.device,
                      run: Any) -> tuple[Any, torch.Tensor]:
