@@ -129,6 +129,22 @@ def test_inductor_pieces(strategy):
     assert counters.recompiles == 0 and counters.by_tag[f"{compiled.tag}_generate"].dynamo_traces == 1
 
 
+def test_inductor_steps_specialised_on_size_one_get_a_step_per_size_class():
+    """GPT-2 slices its fused QKV projection; Inductor's stride rules specialise the step traced
+    at batch 1 on batch 1 and on one new token or more. Generating at batch 1 and then 2 needs
+    four steps (each class once); the route allowed three and the second call raised
+    `SizeRefusedError` (so did Phi-3, GPT-J, CodeGen, Cohere, GLM and Persimmon)."""
+    compiled = pw.compile(_build("gpt2", "piecewise"), _config(backend="inductor"))
+    for seed, lengths in enumerate(([6], [5, 8], [3], [7, 2, 4])):
+        ids, mask = _prompts(lengths, seed=seed + 20)
+        expected = _eager("gpt2", ids, mask, max_new_tokens=3)
+        got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+        assert torch.equal(got, expected), (lengths, got.tolist(), expected.tolist())
+    tags = [t for t in counters.by_tag if t.startswith(f"{compiled.tag}_generate")]
+    assert len(tags) <= 4 and all(counters.by_tag[t].dynamo_traces == 1 for t in tags), tags
+    assert counters.recompiles == 0
+
+
 def test_a_step_that_branches_on_one_new_token_gets_a_step_per_phase(caplog):
     """OPT's mask code branches on ``q_length == 1``: the step traced at the prompt is refused for a
     decode step (one new token), so the route traces a step for that phase once, and both serve

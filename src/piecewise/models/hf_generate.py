@@ -25,7 +25,9 @@ that slot; no real row reads a pad row's slot). Its batches are uniform decode, 
 ``full_and_piecewise`` replays full graphs there. So generation shows two traces on a GPU
 (prefill, decode) and one on the CPU, unless the model's step code branches on a size: a step
 refuses the sizes its trace is wrong for, and the route traces another general step for them
-(``<tag>_generate_2``; OPT's mask code branches on one new token), at most `MAX_GENERAL_STEPS`. Left padding works through the 2-D ``attention_mask``: pad
+(``<tag>_generate_2``; OPT's mask code branches on one new token; Inductor specialises size 1
+of either dim for fused-QKV models), at most `MAX_GENERAL_STEPS`. Left padding works through the
+2-D ``attention_mask``: pad
 positions are never attended by real tokens. ``use_cache=False`` runs the whole sequence each step
 through the same compiled step.
 """
@@ -59,9 +61,12 @@ log = logging.getLogger("piecewise")
 #: arange positions first)
 MASK_NUMBERED_POSITIONS = frozenset({"opt"})
 
-#: general generation steps per kind of logits, at most: one trace per phase (prompt, one new
-#: token) and room for one more size class; past that a refusal reaches the caller
-MAX_GENERAL_STEPS = 3
+#: general generation steps per kind of logits, at most: one per size class a compiled step can
+#: be specialised to, a batch of one or more x one new token or more. Inductor's stride rules
+#: specialise both size-1 cases for models that slice a fused QKV projection (Phi-3, GPT-2, GPT-J,
+#: CodeGen, Cohere, GLM, Persimmon): batch 1 then 2 takes all four. Past that a refusal reaches
+#: the caller.
+MAX_GENERAL_STEPS = 4
 
 
 class StepAttention(NamedTuple):
