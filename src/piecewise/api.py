@@ -159,9 +159,7 @@ class CompiledModel:
             if self.config.debug and self._guards is not None:
                 self._check_guards(args, kwargs)
             out = fast(self.module, *args, **kwargs)
-            if copies:
-                self._signature.write_back(copies)
-            return out
+            return self._signature.write_back(copies, out) if copies else out
 
     forward = __call__
 
@@ -295,8 +293,7 @@ class CompiledModel:
             if start is not None and start.fast is not None:
                 self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
                 self._record_state()
-                out = start.fast(self.module, *args, **kwargs)
-                self._after_first_run(versions, copies, args, kwargs)
+                out = self._after_first_run(start.fast(self.module, *args, **kwargs), versions, copies, args, kwargs)
                 total = time.perf_counter() - t0
                 self.timings = {"first_call": total, **self.backend.timings, "bundle_load": start.seconds, "dynamo": 0.0,
                                 **{f"bundle_{k}": v for k, v in start.phases.items()}}
@@ -316,8 +313,7 @@ class CompiledModel:
             self._record_state()
             if start is not None:
                 start.save(self.backend, cap)
-            out = fast(self.module, *args, **kwargs)
-            self._after_first_run(versions, copies, args, kwargs)
+            out = self._after_first_run(fast(self.module, *args, **kwargs), versions, copies, args, kwargs)
             total = time.perf_counter() - t0
             self.timings = {"first_call": total, **self.backend.timings}
             # the first call's wall time not spent in the backend's phases (trace, guards, first run);
@@ -327,15 +323,15 @@ class CompiledModel:
                      self.timings["dynamo"], self.timings.get("split", 0.0), self.timings.get("compile", 0.0))
             return out
 
-    def _after_first_run(self, versions: list[int], copies: list, args: tuple, kwargs: dict) -> None:
+    def _after_first_run(self, out: Any, versions: list[int], copies: list, args: tuple, kwargs: dict) -> Any:
         """Which tensor arguments the first run wrote in place (`CallSignature.note_writes`), and
-        the write-back of the contiguous copies it ran on."""
+        the write-back of the contiguous copies it ran on; returns the run's output `out` (with
+        the caller's tensors for copies returned whole, `CallSignature.write_back`)."""
         self._signature.note_writes(versions, args, kwargs, copies)
         if self._signature.mutated:
             log.info("[%s] forward writes %s in place: every call checks which tensor arguments share memory",
                      self.tag, list(self._signature.mutated))
-        if copies:
-            self._signature.write_back(copies)
+        return self._signature.write_back(copies, out) if copies else out
 
     def _trace(self, args: tuple, kwargs: dict) -> Trace:
         import torch._dynamo.exc
