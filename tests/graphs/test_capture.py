@@ -427,6 +427,47 @@ def test_a_module_buffer_written_in_place_is_written_once_a_call_under_graphs(st
         assert counters.padding_refusals == 0 and counters.graph_replays > 0 and counters.recompiles == 0
 
 
+class _StateFromTokens(torch.nn.Module):
+    """Writes a buffer from the token count outside splitting ops: the rows of this call
+    (``last[:n] = out``, read by the next call) or the count itself (``seen += n``)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.qk = torch.nn.Linear(8, 16)
+        self.register_buffer("last", torch.zeros(32, 8))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        q, k = self.qk(x + self.last.sum(0) + self.seen).chunk(2, dim=-1)
+        out = torch.empty_like(q)
+        torch.ops.pw_test_graphs.gate(q, k, out)
+        if self.kind == "rows":
+            self.last[: x.shape[0]] = out
+        else:
+            self.seen.add_(x.shape[0])
+        return out
+
+
+@pytest.mark.parametrize("kind", ["rows", "count"])
+def test_state_written_from_the_token_count_turns_graphs_off_instead_of_taking_the_padded_count(kind, strategy, caplog):
+    """A padded replay writes the pad rows (or the padded count) into the buffer, which the next
+    call reads: outputs off with no error, as the padding check compared outputs only. It now
+    compares what forward writes outside splitting ops too, and turns graphs off (logged)."""
+    model, ref = _StateFromTokens(kind).eval(), _StateFromTokens(kind).eval()
+    with fake_cpu_platform():
+        cm = _compile(model, strategy=strategy)
+        for n in (3, 3, 5, 4):
+            x = torch.randn(n, 8)
+            with torch.no_grad():
+                torch.testing.assert_close(cm(x), ref(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.last, ref.last, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.seen, ref.seen, rtol=0, atol=0)
+        assert counters.padding_refusals == 1 and counters.recompiles == 0
+    assert "what forward writes in place outside splitting ops" in caplog.text
+
+
 @pytest.mark.parametrize("dim,shape", [(1, (2, None, 8)), (2, (2, 3, None, 8)), (0, (None, 2, 8))])
 @pytest.mark.parametrize("backend", ["eager", "inductor", "inductor_partition"])
 def test_any_token_dim_pads_into_contiguous_static_buffers(dim, shape, backend):

@@ -261,7 +261,7 @@ class GraphDispatcher:
         expected = _clone(self.plain(*args))
         after = self._keep_arguments(args)
         args = tuple(before)
-        worst = 0.0
+        worst = worst_state = 0.0
         for fill in ("zeros", "copies"):
             padded_args = self._fill(args, n, padded)
             if fill == "copies":
@@ -277,19 +277,30 @@ class GraphDispatcher:
                 got = self._slice(self.forward(*padded_args), n)
             finally:
                 exit_forward(token)
+            # and what forward wrote in place outside splitting ops (a buffer filled by the token
+            # count, `buf[:n] = x` or `seen += n`): replays would write the padded count's state
             worst = max(worst, _max_rel_diff(expected, got))
+            worst_state = max(worst_state, _max_rel_diff([c for _, c in after], [t for t, _ in after]))
         self._restore_arguments(after)
         self._padding_verified = True
         # Row-local models differ only by rounding between an n-row and a padded call (BLAS blocks
         # by size): ~1e-6 relative in fp32, a few ulps (~1e-2) in half precision. A leak is O(1).
         half = any(isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16) for a in _leaves(expected))
-        if worst > (5e-2 if half else 1e-3):
-            self.padding_refused = (f"real rows changed by up to {worst:.3g} (relative) when the call was padded from {n} to "
-                                    f"{padded} tokens")
-            log.warning("[%s] %s: the model mixes values across tokens outside splitting ops (or a splitting op "
-                        "ignores forward_context().num_tokens); graph capture pads calls, so graphs are turned off for "
-                        "this model. Move such steps into a splitting op that skips pad rows, or set cudagraph_mode='none'",
-                        self.tag, self.padding_refused)
+        limit = 5e-2 if half else 1e-3
+        if worst > limit or worst_state > limit:
+            if worst > limit:
+                self.padding_refused = (f"real rows changed by up to {worst:.3g} (relative) when the call was padded from {n} "
+                                        f"to {padded} tokens")
+                why = ("the model mixes values across tokens outside splitting ops (or a splitting op ignores "
+                       "forward_context().num_tokens)")
+            else:
+                self.padding_refused = (f"what forward writes in place outside splitting ops (graph inputs "
+                                        f"{list(self.written_arguments)}) changed by up to {worst_state:.3g} (relative) "
+                                        f"when the call was padded from {n} to {padded} tokens")
+                why = "the model writes state from the token count or pad rows outside splitting ops (buf[:n] = x, seen += n)"
+            log.warning("[%s] %s: %s; graph capture pads calls, so graphs are turned off for this model. Move such steps "
+                        "into a splitting op that skips pad rows, or set cudagraph_mode='none'",
+                        self.tag, self.padding_refused, why)
             counters.bump("padding_refusals", tag=self.tag)
             self.reset()
         return expected
