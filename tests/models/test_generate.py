@@ -306,6 +306,30 @@ def test_limits_are_typed_errors_before_any_compile():
     assert counters.dynamo_traces == 0
 
 
+def test_layers_added_after_the_first_generate_are_a_typed_error_and_fewer_layers_are_served():
+    """The KV cache is made for the layer count of the first call; a layer appended after it (the
+    config raised to match) failed deep in the retrace with an untyped-looking "Observed exception"
+    CompileError. Dropping a layer uses fewer caches and still gives eager's tokens."""
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config())
+    ids, mask = _prompts([5, 9, 2], seed=3)
+    compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    extra = copy.deepcopy(model.model.layers[1])
+    extra.self_attn.layer_idx = 2
+    model.model.layers.append(extra)
+    model.config.num_hidden_layers, model.config.layer_types = 3, ["full_attention"] * 3
+    with pytest.raises(pw.ConfigError, match="num_hidden_layers=3.*made for 2 layers.*compile the model again"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    del model.model.layers[1:]
+    model.config.num_hidden_layers, model.config.layer_types = 1, ["full_attention"]
+    eager = _build("llama", "sdpa")
+    del eager.model.layers[1:]
+    eager.config.num_hidden_layers, eager.config.layer_types = 1, ["full_attention"]
+    with torch.no_grad():
+        want = eager.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3), want)
+
+
 def test_generate_on_a_model_without_piecewise_attention_says_so():
     compiled = pw.compile(_build("llama", "sdpa"), _config())
     ids, mask = _prompts([3])

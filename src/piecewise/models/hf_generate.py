@@ -473,6 +473,12 @@ class GenerationRoute:
         if past + new > self.max_model_len:
             raise InputError(f"[{self.tag}] {past + new} positions (prompt plus generated tokens) do not fit the KV cache of "
                              f"{self._length_limit} the prompt / max_new_tokens")
+        if self.step is not None and getattr(self.model.config, "num_hidden_layers", 0) > self.step.num_layers:
+            # layers added after the first call (fewer layers use fewer of the caches, and are served)
+            raise ConfigError(f"[{self.tag}] the model's config now has num_hidden_layers="
+                              f"{self.model.config.num_hidden_layers}, but piecewise's generation KV cache was made for "
+                              f"{self.step.num_layers} layers at the first call; compile the model again after adding "
+                              "layers (pw.compile(model, ...))")
         keep = kwargs.get("logits_to_keep", 0)
         last_only = isinstance(keep, int) and not isinstance(keep, bool) and keep == 1
         compiled = self._ensure_compiled(input_ids.device, last_only, decode=new == 1 and last_only)
