@@ -159,7 +159,9 @@ class CompiledModel:
             if self.config.debug and self._guards is not None:
                 self._check_guards(args, kwargs)
             out = fast(self.module, *args, **kwargs)
-            return self._signature.write_back(copies, out) if copies else out
+            if copies:
+                self._signature.write_back(copies)
+            return out
 
     forward = __call__
 
@@ -293,7 +295,8 @@ class CompiledModel:
             if start is not None and start.fast is not None:
                 self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
                 self._record_state()
-                out = self._after_first_run(start.fast(self.module, *args, **kwargs), versions, copies, args, kwargs)
+                out = start.fast(self.module, *args, **kwargs)
+                self._after_first_run(versions, copies, args, kwargs)
                 total = time.perf_counter() - t0
                 self.timings = {"first_call": total, **self.backend.timings, "bundle_load": start.seconds, "dynamo": 0.0,
                                 **{f"bundle_{k}": v for k, v in start.phases.items()}}
@@ -313,7 +316,8 @@ class CompiledModel:
             self._record_state()
             if start is not None:
                 start.save(self.backend, cap)
-            out = self._after_first_run(fast(self.module, *args, **kwargs), versions, copies, args, kwargs)
+            out = fast(self.module, *args, **kwargs)
+            self._after_first_run(versions, copies, args, kwargs)
             total = time.perf_counter() - t0
             self.timings = {"first_call": total, **self.backend.timings}
             # the first call's wall time not spent in the backend's phases (trace, guards, first run);
@@ -323,15 +327,15 @@ class CompiledModel:
                      self.timings["dynamo"], self.timings.get("split", 0.0), self.timings.get("compile", 0.0))
             return out
 
-    def _after_first_run(self, out: Any, versions: list[int], copies: list, args: tuple, kwargs: dict) -> Any:
+    def _after_first_run(self, versions: list[int], copies: list, args: tuple, kwargs: dict) -> None:
         """Which tensor arguments the first run wrote in place (`CallSignature.note_writes`), and
-        the write-back of the contiguous copies it ran on; returns the run's output `out` (with
-        the caller's tensors for copies returned whole, `CallSignature.write_back`)."""
+        the write-back of the contiguous copies it ran on."""
         self._signature.note_writes(versions, args, kwargs, copies)
         if self._signature.mutated:
             log.info("[%s] forward writes %s in place: every call checks which tensor arguments share memory",
                      self.tag, list(self._signature.mutated))
-        return self._signature.write_back(copies, out) if copies else out
+        if copies:
+            self._signature.write_back(copies)
 
     def _trace(self, args: tuple, kwargs: dict) -> Trace:
         import torch._dynamo.exc

@@ -463,25 +463,13 @@ class CallSignature:
                                      "clone it")
 
     @staticmethod
-    def write_back(copies: list[Copy], out: Any) -> Any:
+    def write_back(copies: list[Copy]) -> None:
         """After a run on contiguous copies (`check`): copy each copy forward wrote in place back
-        into the caller's tensor, as eager forward would have written it, and return `out` with
-        every output that is a copy as a whole (forward returned its argument) replaced by the
-        caller's tensor, as eager returns it. A part of a copy returned (``return x[0]``) stays a
-        view of the copy: equal values, not a view of the caller's tensor."""
-        whole = {}
+        into the caller's tensor, as eager forward would have written it."""
         for original, copy_, made in copies:
             # an inference tensor's copy has no version counter: its values are compared instead
             if version(copy_) != made if made is not None else not torch.equal(original, copy_):
                 original.copy_(copy_)
-            whole[(copy_.data_ptr(), tuple(copy_.shape), copy_.stride(), copy_.dtype)] = original
-
-        def caller_tensor(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and not t.is_nested:
-                return whole.get((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype), t)
-            return t
-
-        return pytree.tree_map(caller_tensor, out)
 
     def _at(self, where: tuple[int, int | None], args: tuple, kwargs: dict) -> Any:
         """The argument (or container leaf) an alias group names: (spec index, leaf index or None)."""
