@@ -428,44 +428,59 @@ def test_a_module_buffer_written_in_place_is_written_once_a_call_under_graphs(st
 
 
 class _StateFromTokens(torch.nn.Module):
-    """Writes a buffer from the token count outside splitting ops: the rows of this call
-    (``last[:n] = out``, read by the next call) or the count itself (``seen += n``)."""
+    """Writes a buffer from the token count outside splitting ops: the rows of this call read by
+    the next (``last[:n] = out``; as a running max from -inf), the count itself (``seen += n``),
+    or a scratch buffer every call fills before reading it (harmless under padding)."""
 
     def __init__(self, kind):
         super().__init__()
         torch.manual_seed(0)
         self.kind = kind
         self.qk = torch.nn.Linear(8, 16)
-        self.register_buffer("last", torch.zeros(32, 8))
+        self.register_buffer("last", torch.full((32, 8), float("-inf") if kind == "running_max" else 0.0))
         self.register_buffer("seen", torch.zeros(()))
 
     def forward(self, x):
-        q, k = self.qk(x + self.last.sum(0) + self.seen).chunk(2, dim=-1)
+        n = x.shape[0]
+        if self.kind == "scratch":
+            self.last.narrow(0, 0, n).copy_(x * 2)
+            x = self.last.narrow(0, 0, n) + 1
+        elif self.kind == "running_max":
+            x = x + self.last.amax(0).clamp(min=-5.0)
+        else:
+            x = x + self.last.sum(0) + self.seen
+        q, k = self.qk(x).chunk(2, dim=-1)
         out = torch.empty_like(q)
         torch.ops.pw_test_graphs.gate(q, k, out)
-        if self.kind == "rows":
-            self.last[: x.shape[0]] = out
-        else:
-            self.seen.add_(x.shape[0])
+        if self.kind in ("rows", "running_max"):
+            self.last[:n] = out * 10
+        elif self.kind == "count":
+            self.seen.add_(n)
         return out
 
 
-@pytest.mark.parametrize("kind", ["rows", "count"])
-def test_state_written_from_the_token_count_turns_graphs_off_instead_of_taking_the_padded_count(kind, strategy, caplog):
-    """A padded replay writes the pad rows (or the padded count) into the buffer, which the next
-    call reads: outputs off with no error, as the padding check compared outputs only. It now
-    compares what forward writes outside splitting ops too, and turns graphs off (logged)."""
+@pytest.mark.parametrize("kind,refused", [("rows", True), ("running_max", True), ("count", True), ("scratch", False)])
+def test_state_written_from_the_token_count_turns_graphs_off_instead_of_taking_the_padded_count(kind, refused, strategy,
+                                                                                                caplog):
+    """A padded replay writes the pad rows (or the padded count) into a buffer the next call
+    reads: outputs off with no error, as the padding check compared outputs only. It now also
+    runs the call again from the padded runs' state, with what the padding changed set to NaN,
+    and turns graphs off (logged) when that reaches the outputs; a scratch buffer whose pad rows
+    no call reads keeps its graphs (a first version compared the buffers and refused it), and a
+    buffer holding -inf is compared as well (a first version's relative scale was inf)."""
     model, ref = _StateFromTokens(kind).eval(), _StateFromTokens(kind).eval()
     with fake_cpu_platform():
         cm = _compile(model, strategy=strategy)
-        for n in (3, 3, 5, 4):
+        for n in (3, 3, 2, 5, 4):
             x = torch.randn(n, 8)
             with torch.no_grad():
                 torch.testing.assert_close(cm(x), ref(x), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(model.last, ref.last, rtol=1e-5, atol=1e-5)
+            if kind != "scratch":  # the scratch buffer's pad rows differ, and nothing reads them
+                torch.testing.assert_close(model.last, ref.last, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(model.seen, ref.seen, rtol=0, atol=0)
-        assert counters.padding_refusals == 1 and counters.recompiles == 0
-    assert "what forward writes in place outside splitting ops" in caplog.text
+        assert counters.padding_refusals == int(refused) and counters.recompiles == 0
+        assert (counters.graph_replays > 0) != refused
+    assert ("what forward writes in place outside splitting ops" in caplog.text) == refused
 
 
 @pytest.mark.parametrize("dim,shape", [(1, (2, None, 8)), (2, (2, 3, None, 8)), (0, (None, 2, 8))])
