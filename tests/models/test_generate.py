@@ -35,6 +35,12 @@ def _build(arch, attn, seed=0):
 
         common = {k: v for k, v in common.items() if k not in ("intermediate_size", "num_key_value_heads")}
         cfg = OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64)
+    elif arch == "roberta":  # numbers positions from the token ids (fairseq), pad id 1
+        from transformers import RobertaConfig
+
+        common = {k: v for k, v in common.items() if k not in ("num_key_value_heads",)}
+        cfg = RobertaConfig(**{**common, "pad_token_id": 1, "bos_token_id": 0, "max_position_embeddings": 260}, is_decoder=True,
+                            type_vocab_size=1)
     elif arch == "gpt2":  # learned absolute position embeddings
         from transformers import GPT2Config
 
@@ -46,7 +52,7 @@ def _build(arch, attn, seed=0):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
     with torch.no_grad():  # random init gives logits of ~0.5 and near-ties; sharpen them
-        model.lm_head.weight.mul_(50)
+        model.get_output_embeddings().weight.mul_(50)
     return model
 
 
@@ -165,19 +171,26 @@ def test_a_step_that_branches_on_one_new_token_gets_a_step_per_phase(caplog):
     assert f"{compiled.tag}_generate_3" not in counters.by_tag and counters.recompiles == 0
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
-def test_a_plain_forward_without_position_ids_numbers_positions_as_the_model_does(arch):
-    """A call that passes no position ids (a plain forward on a left-padded batch) got them
-    numbered over the mask's real tokens, as OPT's forward does; GPT-2's (like most decoders')
-    numbers from the cache length, pads included, and its learned position embeddings put the
-    logits off by up to 30 at real tokens. Rotary Llama is the same either way."""
+@pytest.mark.parametrize("arch,side", [("gpt2", "left"), ("opt", "right"), ("roberta", "left"), ("roberta", "right"),
+                                       ("llama", "right")])
+def test_a_plain_forward_without_position_ids_numbers_positions_as_the_model_does(arch, side):
+    """A call that passes no position ids (a plain forward on a padded batch) got them numbered
+    over the mask's real tokens, pads 0; GPT-2's forward (like most decoders') numbers from the
+    cache length, pads included: logits off by up to 30 at real tokens. OPT numbers real tokens
+    with pads at -1 (a right pad's logits were off by 20), RoBERTa's family from the token ids that
+    are not its pad id (off by 38). Rotary Llama is the same either way. Every position compared,
+    the pads' too, where transformers reads a right-padded row's last position."""
     ids, mask = _prompts([5, 9, 2], seed=50)
-    real = mask.bool()
+    if arch == "roberta":
+        ids = ids.masked_fill(mask == 0, 1)  # its pad id
+    if side == "right":
+        ids, mask = ids.flip(-1), mask.flip(-1)
+    seen = mask.bool() if side == "left" else torch.ones_like(mask, dtype=torch.bool)  # a left pad sees nothing
     eager, compiled = _build(arch, "sdpa"), pw.compile(_build(arch, "piecewise"), _config())
     for kw in ({"use_cache": False}, {}):
         with torch.no_grad():
             want, got = eager(ids, attention_mask=mask, **kw).logits, compiled(ids, attention_mask=mask, **kw).logits
-        torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[seen], want[seen], rtol=1e-4, atol=1e-4)
     assert counters.recompiles == 0
 
 
@@ -423,7 +436,7 @@ def test_long_rope_generates_the_eager_tokens_on_one_trace():
                 original_max_position_embeddings=32)
     model = _tiny(Phi3Config, num_key_value_heads=2, sliding_window=None, rope_parameters=rope)
     with torch.no_grad():
-        model.lm_head.weight.mul_(50)  # clear greedy margins on random weights
+        model.get_output_embeddings().weight.mul_(50)  # clear greedy margins on random weights
     ref = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), attn_implementation="sdpa").eval()
     ref.load_state_dict(model.state_dict())
     compiled = pw.compile(model, _config())

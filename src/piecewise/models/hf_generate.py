@@ -56,9 +56,10 @@ CACHED_ATTENTION_OP = "piecewise_models::hf_cached_attention"
 log = logging.getLogger("piecewise")
 
 #: model types whose forward, given no position ids, numbers the real tokens of the attention mask
-#: (``cumsum(mask) - 1``) rather than the positions from the cache length; among transformers'
-#: text decoders only OPT's does (its model forward; BioGPT's embedding can, but its model passes
-#: arange positions first)
+#: (``cumsum(mask) * mask - 1``) rather than the positions from the cache length; among
+#: transformers' text decoders only OPT's does (its model forward; BioGPT's embedding can, but its
+#: model passes arange positions first). RoBERTa's family numbers from the token ids instead
+#: (`GenerationRoute._default_positions`).
 MASK_NUMBERED_POSITIONS = frozenset({"opt"})
 
 #: general generation steps per kind of logits, at most: one per size class a compiled step can
@@ -350,6 +351,10 @@ class GenerationRoute:
         self.max_num_seqs = config.max_num_seqs
         #: position ids a call leaves out are numbered over real tokens only (`_default_positions`)
         self._numbers_real_tokens = getattr(model.config, "model_type", None) in MASK_NUMBERED_POSITIONS
+        #: the embeddings module that numbers positions from the token ids itself (RoBERTa's
+        #: family: fairseq's numbering from ``padding_idx + 1``, pads kept at ``padding_idx``), if any
+        self._ids_numbering = next((m for m in model.modules() if callable(getattr(m, "create_position_ids_from_input_ids", None))
+                                    and isinstance(getattr(m, "padding_idx", None), int)), None)
         #: cache positions: the config's, capped by the model's own position limit
         self.max_model_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", None) or config.max_model_len)
         #: the limit named by refusals above `max_model_len`, and what raises it
@@ -511,7 +516,7 @@ class GenerationRoute:
             write_pos = torch.arange(past, total, device=input_ids.device)
         position_ids = kwargs.get("position_ids")
         if position_ids is None:  # generate() passes them; a plain forward may not
-            position_ids = self._default_positions(valid[:batch, :total], past)
+            position_ids = self._default_positions(valid[:batch, :total], past, input_ids)
         # ``model.forward`` is the compiled model while generate() runs: take it off for the step, so
         # the trace (and its saved guards) see the model as it is outside generate().
         assigned = self.model.__dict__.pop("forward", None)
@@ -553,16 +558,21 @@ class GenerationRoute:
             out["cache"] = cache
         return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
 
-    def _default_positions(self, valid: torch.Tensor, past: int) -> torch.Tensor:
+    def _default_positions(self, valid: torch.Tensor, past: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Position ids ``[1 or batch, new]`` (int64) for a call that passes none, as the model's own
         forward would make them: transformers' decoders number positions from the cache length,
         pads included (``arange(past, total)``: Llama, GPT-2, BioGPT and the rest); OPT numbers the
-        real tokens of the attention mask (`MASK_NUMBERED_POSITIONS`). `valid`: ``[batch, total]``
-        bool, False at pads. Rotary models give the same logits at real tokens either way (a row's
-        offset cancels in q.k); learned absolute embeddings do not: numbering GPT-2's left-padded
-        rows from the mask put its logits off by up to 30 at real tokens."""
+        real tokens of the attention mask, pads -1 (`MASK_NUMBERED_POSITIONS`); RoBERTa's family
+        numbers the tokens that are not its padding id, with its own embeddings' function
+        (``create_position_ids_from_input_ids``). `valid`: ``[batch, total]`` bool, False at pads;
+        `input_ids`: this call's ``[batch, new]``. Rotary models give the same logits at real
+        tokens either way (a row's offset cancels in q.k); learned absolute embeddings do not:
+        numbering GPT-2's left-padded rows from the mask put its logits off by up to 30."""
+        if self._ids_numbering is not None:
+            emb = self._ids_numbering
+            return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, past)
         if self._numbers_real_tokens:
-            return (valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            return (valid.long().cumsum(-1) * valid - 1)[:, past:]
         return torch.arange(past, valid.shape[1], device=valid.device)[None]
 
     def _run_general(self, first: Any, last_only: bool, one_token: bool, device: torch.device,
