@@ -251,9 +251,12 @@ class GraphDispatcher:
         value, a splitting op that ignores ``forward_context().num_tokens``) gets no graphs from
         then on, with a warning. Returns this call's (unpadded) result.
 
-        The model runs three times on this call's tokens: splitting ops must write the same state
-        for the same tokens (true of KV-cache writes). The padded runs start from copies of the
-        token inputs as they were before the real run, which may write them in place."""
+        State forward writes outside splitting ops is checked too: see the comment in the body.
+
+        The model runs three times on this call's tokens (five when the padding changed such
+        state): splitting ops must write the same state for the same tokens (true of KV-cache
+        writes). The padded runs start from copies of the token inputs as they were before the
+        real run, which may write them in place."""
         before = list(args)
         for si in self.static_inputs:
             before[si.index] = args[si.index].clone()
