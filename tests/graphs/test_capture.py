@@ -459,15 +459,16 @@ class _StateFromTokens(torch.nn.Module):
         return out
 
 
-@pytest.mark.parametrize("kind,refused", [("rows", True), ("running_max", True), ("count", True), ("scratch", False)])
-def test_state_written_from_the_token_count_turns_graphs_off_instead_of_taking_the_padded_count(kind, refused, strategy,
-                                                                                                caplog):
+@pytest.mark.parametrize("kind", ["rows", "running_max", "count", "scratch"])
+def test_state_written_from_the_token_count_turns_graphs_off_instead_of_taking_the_padded_count(kind, strategy, caplog):
     """A padded replay writes the pad rows (or the padded count) into a buffer the next call
     reads: outputs off with no error, as the padding check compared outputs only. It now also
-    runs the call again from the padded runs' state, with what the padding changed set to NaN,
-    and turns graphs off (logged) when that reaches the outputs; a scratch buffer whose pad rows
-    no call reads keeps its graphs (a first version compared the buffers and refused it), and a
-    buffer holding -inf is compared as well (a first version's relative scale was inf)."""
+    compares what forward writes outside splitting ops after its padded runs with the unpadded
+    run's, tightly (a count off by 1 in 1024 counts) and through infinities (a buffer holding -inf
+    gave a relative scale of inf), and turns graphs off (logged). A scratch buffer whose pad rows
+    no call reads is refused too (correct outputs, no graphs): telling it apart would mean running
+    the model from altered state, which also rewrote a KV cache kept by splitting ops."""
+    refused = True
     model, ref = _StateFromTokens(kind).eval(), _StateFromTokens(kind).eval()
     with fake_cpu_platform():
         cm = _compile(model, strategy=strategy)
@@ -475,12 +476,58 @@ def test_state_written_from_the_token_count_turns_graphs_off_instead_of_taking_t
             x = torch.randn(n, 8)
             with torch.no_grad():
                 torch.testing.assert_close(cm(x), ref(x), rtol=1e-5, atol=1e-5)
-            if kind != "scratch":  # the scratch buffer's pad rows differ, and nothing reads them
-                torch.testing.assert_close(model.last, ref.last, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.last, ref.last, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(model.seen, ref.seen, rtol=0, atol=0)
         assert counters.padding_refusals == int(refused) and counters.recompiles == 0
         assert (counters.graph_replays > 0) != refused
     assert ("what forward writes in place outside splitting ops" in caplog.text) == refused
+
+
+@pw.splitting_op("pw_test_graphs::cache_attn", mutates_args=("cache", "out"))
+def _cache_attn(h: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> None:
+    ctx = pw.forward_context()
+    n = ctx.num_tokens if ctx is not None else h.shape[0]
+    cache.narrow(0, 0, n).copy_(h[:n])  # real rows only, as a KV-cache write
+    out.copy_(h + cache.sum(0) * 0.01)
+
+
+@_cache_attn.register_fake
+def _(h, cache, out):
+    return None
+
+
+class _CounterAndCache(torch.nn.Module):
+    """A count written outside splitting ops (padding leaks into it) and a cache only a splitting
+    op writes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("cache", torch.zeros(64, 8))
+
+    def forward(self, x):
+        h = self.lin(x) + self.seen * 0.01
+        self.seen += x.shape[0]
+        out = torch.empty_like(h)
+        torch.ops.pw_test_graphs.cache_attn(h, self.cache, out)
+        return out
+
+
+def test_the_padding_check_leaves_state_splitting_ops_keep_as_eager_has_it():
+    """A version of the state check re-ran the model from altered (NaN-tainted) state, and the
+    splitting op wrote that into its cache: NaN in 40 cache elements and in every later output."""
+    model, ref = _CounterAndCache().eval(), _CounterAndCache().eval()
+    with fake_cpu_platform():
+        cm = _compile(model)
+        for n in (5, 3, 2, 6):
+            x = torch.randn(n, 8)
+            with torch.no_grad():
+                torch.testing.assert_close(cm(x), ref(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.cache, ref.cache, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.seen, ref.seen, rtol=0, atol=0)
+        assert counters.padding_refusals == 1 and counters.recompiles == 0
 
 
 @pytest.mark.parametrize("dim,shape", [(1, (2, None, 8)), (2, (2, 3, None, 8)), (0, (None, 2, 8))])
