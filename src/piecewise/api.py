@@ -54,7 +54,7 @@ from .inputs import CallSignature
 from .registry import Registration, Registry
 from .tags import current_registry, release_tag, unique_tag
 
-__all__ = ["compile", "CompiledModel", "unique_tag", "register_route"]
+__all__ = ["bypasses_attention_interface", "compile", "CompiledModel", "unique_tag", "register_route"]
 
 log = logging.getLogger("piecewise")
 _UNSET = object()  # not recorded yet
@@ -65,6 +65,21 @@ _UNSET = object()  # not recorded yet
 #: generation route (`piecewise.models.hf_generate`) registers itself this way, so this layer
 #: imports nothing from the models above it.
 _ROUTES: Registry[Callable[..., Any]] = Registry("call route")
+
+
+def bypasses_attention_interface(module: torch.nn.Module) -> bool:
+    """Whether transformers itself says `module`'s class picks its attention without transformers'
+    attention interface (Bloom, Falcon, GPT-Neo, MPT, XGLM: such a class cannot attend through
+    ``attn_implementation='piecewise'``): ``_can_set_attn_implementation()``, transformers' test of
+    the modeling source for ``ALL_ATTENTION_FUNCTIONS.get_interface(``, run before it lets an
+    implementation be set. False for a module without that test or when it fails (no claim)."""
+    can_set = getattr(type(module), "_can_set_attn_implementation", None)
+    try:
+        return callable(can_set) and can_set() is False
+    except Exception as e:
+        log.debug("transformers' _can_set_attn_implementation() failed on %s (%s): no claim about its attention",
+                  type(module).__name__, e)
+        return False
 
 
 def register_route(factory: Callable[..., Any]) -> Registration:
@@ -129,6 +144,8 @@ class CompiledModel:
     # -- calling ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.mode == "none":
+            if self.module.__dict__.get("forward") is self:  # model.forward = compiled: its own forward, not this again
+                return self._forward_fn(self.module, *args, **kwargs)
             return self.module(*args, **kwargs)
         # Autocast is global state Dynamo guards and guard-free dispatch does not: code traced with
         # or without it would run silently in the other state (bf16 against fp32 matmuls). The
@@ -170,17 +187,33 @@ class CompiledModel:
         same arguments and result as ``module.generate``. Equivalent to ``module.forward = compiled``
         followed by ``module.generate(...)``, without leaving the assignment behind.
 
+        In mode ``"none"`` this is the model's own ``generate`` (nothing compiled, no piecewise cache).
+
         Raises:
             AttributeError: the wrapped module has no ``generate``.
+            ConfigError: the model's attention is not ``attn_implementation='piecewise'`` (a class whose
+                attention bypasses transformers' attention interface, Falcon, GPT-Neo, Bloom, MPT, is named
+                as such: it cannot be built that way).
         """
         generate = getattr(self.module, "generate", None)
         if generate is None:
             raise AttributeError(f"{type(self.module).__name__} has no generate(); call the compiled model instead")
+        if self._route is None and self.config.mode == "none":  # eager: the model's own generate()
+            return self._generate_with_forward(generate, args, kwargs)
         if self._route is None:
+            name = type(self.module).__name__
+            impl = getattr(getattr(self.module, "config", None), "_attn_implementation", "?")
+            if bypasses_attention_interface(self.module):
+                raise ConfigError(
+                    f"[{self.tag}] compiled generate() needs attention that goes through transformers' attention interface, "
+                    f"so it reaches the KV cache piecewise owns; {name}'s attention classes do not use that interface "
+                    "(transformers' _can_set_attn_implementation() is False), so it cannot be built with "
+                    "attn_implementation='piecewise'. Generate with the model itself, uncompiled, or compile with "
+                    "CompilationConfig(mode='none')")
             raise ConfigError(
                 f"[{self.tag}] compiled generate() needs a transformers causal LM built with attn_implementation='piecewise' "
                 "(call piecewise.models.hf.register_hf_attention() first), so its attention reaches the KV cache piecewise "
-                f"owns; {type(self.module).__name__} uses {getattr(getattr(self.module, 'config', None), '_attn_implementation', '?')!r}")
+                f"owns; {name} uses {impl!r}")
         self._route.check_generate(args, kwargs)
         with self._route.generating():
             return self._generate_with_forward(generate, args, kwargs)
@@ -482,6 +515,6 @@ def compile(
         raise ConfigError(f"piecewise.compile takes a torch.nn.Module, got {type(model).__name__}; wrap the function in a module")
     config = config or CompilationConfig()
     compiled = CompiledModel(model, config, dynamic_arg_dims or {})
-    if dynamic_arg_dims is None and compiled._route is None:  # a generation route knows its own dims
+    if dynamic_arg_dims is None and compiled._route is None and config.mode != "none":  # a generation route knows its own dims
         warnings.warn("piecewise.compile without dynamic_arg_dims compiles static shapes; every shape is frozen", stacklevel=2)
     return compiled

@@ -350,6 +350,60 @@ def test_generate_on_a_model_without_piecewise_attention_says_so():
         compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
 
 
+def _bypassing(arch, attn):
+    """A tiny model of an architecture whose attention classes bypass transformers' attention
+    interface (picked from their own table of classes), with `attn`."""
+    from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig
+
+    cfg = (FalconConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4) if arch == "falcon" else
+           BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+@pytest.mark.parametrize("arch", ["falcon", "bloom"])
+def test_an_architecture_whose_attention_bypasses_the_interface_is_named_on_generate(arch):
+    """Falcon cannot even be built with attn_implementation='piecewise' (its own table of attention
+    classes raises a KeyError): telling its user to build it that way was a remedy that cannot work."""
+    compiled = pw.compile(_bypassing(arch, "eager"), _config())
+    ids, mask = _prompts([3])
+    with pytest.raises(pw.ConfigError, match=r"attention classes do not use that interface .* Generate with the model itself"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+    assert counters.dynamo_traces == 0
+
+
+def test_an_architecture_built_with_piecewise_attention_it_never_calls_is_refused_at_compile():
+    """Bloom accepts attn_implementation='piecewise' and never calls it: refused before any trace
+    (it was refused only after a traced and compiled step; MPT's trace failed with Dynamo's words)."""
+    with pytest.raises(pw.ConfigError, match=r"BloomForCausalLM was built with attn_implementation='piecewise', but its "
+                                             r"attention classes do not call transformers' attention interface"):
+        pw.compile(_bypassing("bloom", "piecewise"), _config())
+    assert counters.dynamo_traces == 0
+
+
+@pytest.mark.parametrize("spelling", ["compiled.generate", "forward_assigned"])
+def test_mode_none_generates_with_the_model_itself(spelling):
+    """mode='none' runs the model eagerly: its generate() is the model's own, and
+    ``model.forward = compiled`` calls the model's forward (it recursed into itself until the stack
+    ran out)."""
+    ids, mask = _prompts([4, 7])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=5)
+    want = _eager("llama", ids, mask, max_new_tokens=5)
+    for model in (_build("llama", "sdpa"), _bypassing("falcon", "eager")):
+        compiled = pw.compile(model, _config(mode="none"))
+        if model.config.model_type == "falcon":
+            with torch.no_grad():
+                want = _bypassing("falcon", "eager").generate(ids, **kw)
+        if spelling == "compiled.generate":
+            got = compiled.generate(ids, **kw)
+        else:
+            with _forward_assigned(model, compiled), torch.no_grad():
+                got = model.generate(ids, **kw)
+        assert torch.equal(got, want), model.config.model_type
+    assert counters.dynamo_traces == 0
+
+
 def test_plain_forward_still_runs_the_traced_forward():
     model = _build("llama", "piecewise")
     compiled = pw.compile(model, _config(), dynamic_arg_dims={"input_ids": 1})

@@ -305,7 +305,8 @@ def cached_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ConfigError(f"{type(module).__name__} layer {layer} attends with keys of {key.shape[1]} heads x {key.shape[-1]} "
                           f"and values of {value.shape[1]} x {value.shape[-1]}, but its config gives the KV cache "
                           f"{k_cache.shape[1]} heads x {k_cache.shape[-1]} (num_key_value_heads, head_dim); piecewise's "
-                          "generation cache cannot hold this architecture: generate with attn_implementation='sdpa'")
+                          "generation cache cannot hold this architecture: generate with the model itself, uncompiled, "
+                          "built with attn_implementation='sdpa'")
     write_pos = kwargs["pw_write_pos"]
     in_op = kwargs.get("pw_write_in_op", False)  # the decode step with graphs (see hf_cached_attention)
     if not in_op:
@@ -423,7 +424,7 @@ class GenerationRoute:
                              "call of this compiled model without generation arguments); piecewise's cache starts empty "
                              "with each new cache object and cannot take them over. Pass the whole sequence without a "
                              "cache, start the sequence with use_cache=True so the cache this model returns continues "
-                             "it, or use attn_implementation='sdpa'")
+                             "it, or generate with the model itself, uncompiled (attn_implementation='sdpa')")
         if not self._step_lock.acquire(blocking=False):
             raise InputError(f"[{self.tag}] two generation steps at once on this compiled model (two threads): piecewise's "
                              "KV cache holds one generation at a time; compile a second model (another tag) per thread")
@@ -471,7 +472,8 @@ class GenerationRoute:
             raise InputError(f"[{self.tag}] {new} new tokens on a generation cache that already holds {past} positions: "
                              "continuing from an earlier generate()'s past_key_values, assisted / prompt-lookup "
                              "decoding and chunked prefill are not supported by piecewise's generation KV cache; pass "
-                             "the whole sequence to generate() without past_key_values, or use attn_implementation='sdpa'")
+                             "the whole sequence to generate() without past_key_values, or generate with the model "
+                             "itself, uncompiled (attn_implementation='sdpa')")
         if batch > self.max_num_seqs:
             raise InputError(f"[{self.tag}] {batch} sequences in one call, above max_num_seqs={self.max_num_seqs}; raise "
                              "CompilationConfig(max_num_seqs=...) or generate in smaller batches")
@@ -637,8 +639,8 @@ class GenerationRoute:
                        if kwargs.get(k, getattr(gen_cfg, k, None)) is not None]
         if speculative:
             raise InputError(f"[{self.tag}] generate({speculative[0]}=...) verifies candidate tokens and rolls the KV cache "
-                             "back; piecewise's generation KV cache does not roll back. Generate without it, or use "
-                             "attn_implementation='sdpa'")
+                             "back; piecewise's generation KV cache does not roll back. Generate without it, or generate with the "
+                             "model itself, uncompiled (attn_implementation='sdpa')")
         ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return
@@ -681,8 +683,8 @@ class GenerationRoute:
             raise ConfigError(f"[{self.tag}] {type(self.model).__name__} has {layers} attention layers, but its step reached "
                               f"piecewise's generation KV cache {reached} times, where it holds one attention call a layer "
                               "(its decoder layers do not pass attention keyword arguments through, its attention does not "
-                              "use transformers' attention interface, or it attends twice a layer); generate with "
-                              "attn_implementation='sdpa'")
+                              "use transformers' attention interface, or it attends twice a layer); generate with the "
+                              "model itself, uncompiled (attn_implementation='sdpa')")
 
     def _was_served(self, cache: Any) -> bool:
         try:
@@ -732,7 +734,8 @@ class GenerationRoute:
             # assisted and prompt-lookup decoding drop rejected candidate tokens from the cache
             raise InputError(f"[{route.tag}] generate() asked to crop the KV cache to {max_length} positions (assisted or "
                              "prompt-lookup decoding): piecewise's generation KV cache does not roll back; generate "
-                             "without assistant_model / prompt_lookup_num_tokens, or use attn_implementation='sdpa'")
+                             "without assistant_model / prompt_lookup_num_tokens, or generate with the model "
+                             "itself, uncompiled (attn_implementation='sdpa')")
 
         try:
             cache.reorder_cache = reorder_cache  # an instance attribute wins over the class's method
@@ -809,6 +812,13 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
     impl = getattr(cfg, "_attn_implementation", None)
     if impl != "piecewise":
         return None
+    from ..api import bypasses_attention_interface
+
+    if bypasses_attention_interface(module):
+        raise ConfigError(f"{type(module).__name__} was built with attn_implementation='piecewise', but its attention classes "
+                          "do not call transformers' attention interface (transformers' _can_set_attn_implementation() is "
+                          "False), so its layers would never reach the KV cache piecewise owns. Generate with the model "
+                          "itself, uncompiled, built with attn_implementation='sdpa'")
     # Sliding windows: per layer in `layer_types` (Gemma2/3, Qwen2 with max_window_layers), or one
     # window for every layer in `sliding_window` without layer types (Mistral, Phi3). A window
     # that covers every position the cache can hold is full attention.
@@ -836,7 +846,8 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
     if dynamic:
         raise ConfigError(f"{type(module).__name__} uses dynamic rotary scaling (rope_type='dynamic' in {dynamic[0]}), "
                           "which recomputes its frequencies from the longest sequence seen so far, a data-dependent "
-                          "branch piecewise cannot trace once for all lengths; generate with attn_implementation='sdpa', "
+                          "branch piecewise cannot trace once for all lengths; generate with the model itself, uncompiled "
+                          "(attn_implementation='sdpa'), "
                           "or use a fixed rope_type ('linear', 'llama3', 'yarn')")
     _create_longrope_frequencies(module)
     return route
