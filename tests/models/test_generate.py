@@ -695,6 +695,55 @@ def test_inputs_generation_cannot_serve_are_typed_errors_naming_the_cause():
     assert counters.dynamo_traces == 0
 
 
+def test_what_eager_computes_differently_from_the_step_is_refused_not_run():
+    """Each ran silently with other tokens: is_causal=False (bidirectional attention) was dropped;
+    position_ids that restart within a row without mask or cache (transformers attends each packed
+    sequence alone) were attended as one row; a row with no real token attended itself where eager
+    attends uniformly."""
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    ids, mask = _prompts([6, 6])
+    with pytest.raises(pw.InputError, match=r"got \['is_causal'\]"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3, is_causal=False)
+    with pytest.raises(pw.InputError, match=r"got \['output_router_logits'\]"):
+        compiled(ids, use_cache=True, output_router_logits=True)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
+    with pytest.raises(pw.InputError, match=r"position_ids restart or skip within a row, without attention_mask or a cache"):
+        compiled(ids, position_ids=packed, use_cache=False)
+    with pytest.raises(pw.InputError, match=r"position_ids restart"):
+        compiled.generate(ids, position_ids=packed, use_cache=False, do_sample=False, max_new_tokens=2)
+    empty = mask.clone()
+    empty[1] = 0
+    with pytest.raises(pw.InputError, match=r"attention_mask row 1 has no real token \(all 6 positions are padding\)"):
+        compiled.generate(ids, attention_mask=empty, do_sample=False, max_new_tokens=2)
+    # what stays served: is_causal=True (the default), consecutive positions without a mask
+    want = _eager("llama", ids, mask, max_new_tokens=3)
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3, is_causal=True), want)
+    with torch.no_grad():
+        got = compiled(ids, position_ids=torch.arange(6).expand(2, 6), use_cache=False).logits
+        torch.testing.assert_close(got, _build("llama", "sdpa")(ids).logits, rtol=1e-4, atol=1e-4)
+    assert counters.recompiles == 0
+
+
+def test_a_model_cast_after_its_first_generate_is_refused_not_run_on_the_old_cache():
+    """A bfloat16 model cast to float32 after one generate() kept its bfloat16 KV cache: keys
+    rounded, other tokens, silently."""
+    model = _build("llama", "piecewise").to(torch.bfloat16)
+    compiled = pw.compile(model, _config())
+    ids, mask = _prompts([5, 3])
+    first = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+    model.to(torch.float32)
+    for spelling in ("compiled.generate", "forward_assigned"):
+        with pytest.raises(pw.ConfigError, match=r"parameters are now torch.float32 on cpu, but piecewise's generation KV "
+                                                 r"cache was made torch.bfloat16 on cpu"):
+            if spelling == "compiled.generate":
+                compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+            else:
+                with _forward_assigned(model, compiled):
+                    model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+    model.to(torch.bfloat16)  # back as it was: served again
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2), first)
+
+
 @pytest.mark.parametrize("spelling", ["compiled.generate", "forward_assigned"])
 def test_int32_prompts_generate_the_eager_tokens_on_the_one_trace(spelling):
     """Eager takes int32 ids; generate() appends its int64 tokens to them. The step used to be

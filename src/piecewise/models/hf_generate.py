@@ -322,6 +322,9 @@ _GENERATION_KWARGS = ("cache", "past_key_values", "use_cache", "attention_mask",
                       "return_dict")
 #: keyword arguments a step cannot honour
 _UNSUPPORTED = ("inputs_embeds", "labels", "output_attentions", "output_hidden_states", "token_type_ids")
+#: keyword arguments a step takes (`cache_position` is transformers' own numbering of the new tokens'
+#: cache slots, which the route keeps itself); any other one set is refused
+_STEP_KWARGS = frozenset(_GENERATION_KWARGS) | {"input_ids", "cache_position"}
 
 
 def _positions_held(cache: Any) -> int:
@@ -391,6 +394,10 @@ class GenerationRoute:
             return NotImplemented
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         bad = [k for k in _UNSUPPORTED if kwargs.get(k) is not None and kwargs.get(k) is not False]
+        # any other option transformers' forward takes (is_causal=False: bidirectional attention;
+        # output_router_logits) changes what eager computes and the step never sees it
+        bad += [k for k, v in kwargs.items() if k not in _STEP_KWARGS and k not in _UNSUPPORTED and v is not None
+                and not (k == "is_causal" and v is True)]
         if bad or input_ids is None or len(args) > 1:
             raise InputError(f"[{self.tag}] the compiled generation step takes input_ids (and attention_mask, position_ids, "
                              f"cache, use_cache, logits_to_keep); got {bad or 'positional arguments'}")
@@ -406,6 +413,15 @@ class GenerationRoute:
             from transformers import DynamicCache
 
             cache = DynamicCache()
+        positions = kwargs.get("position_ids")
+        if (cache is None and kwargs.get("attention_mask") is None and isinstance(positions, torch.Tensor)
+                and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any())):
+            # transformers' mask code reads such positions as packed sequences (a block-diagonal mask,
+            # masking_utils' find_packed_sequence_indices); the step attends the whole row causally
+            raise InputError(f"[{self.tag}] position_ids restart or skip within a row, without attention_mask or a cache: "
+                             "transformers attends each packed sequence alone there, piecewise's generation step attends "
+                             "the whole row. Pass each sequence as its own row (left-padded, with attention_mask), or "
+                             "call with consecutive positions")
         continuing = cache is not None and self._is_current(cache)
         if cache is not None and not continuing and self._was_served(cache):
             raise InputError(f"[{self.tag}] a generation resumed after another generation on this compiled model started "
@@ -486,6 +502,14 @@ class GenerationRoute:
                               f"{self.model.config.num_hidden_layers}, but piecewise's generation KV cache was made for "
                               f"{self.step.num_layers} layers at the first call; compile the model again after adding "
                               "layers (pw.compile(model, ...))")
+        if self.step is not None:
+            param, cache_0 = next(self.model.parameters()), self.step.k_cache_0
+            if (param.dtype, param.device) != (cache_0.dtype, cache_0.device):
+                # the cache's keys would be rounded to the old dtype (bfloat16 keys of a float32 model:
+                # other tokens, silently); a generation already under way would lose what it holds
+                raise ConfigError(f"[{self.tag}] the model's parameters are now {param.dtype} on {param.device}, but "
+                                  f"piecewise's generation KV cache was made {cache_0.dtype} on {cache_0.device} at the "
+                                  "first call; compile the model again after casting or moving it (pw.compile(model, ...))")
         keep = kwargs.get("logits_to_keep", 0)
         last_only = isinstance(keep, int) and not isinstance(keep, bool) and keep == 1
         compiled = self._ensure_compiled(input_ids.device, last_only, decode=new == 1 and last_only)
@@ -511,6 +535,12 @@ class GenerationRoute:
         else:
             raise InputError(f"[{self.tag}] attention_mask of shape {tuple(mask.shape)} does not cover the {total} positions "
                              "of this sequence")
+        if past == 0 and mask is not None and not bool(valid[:batch, :total].any(-1).all()):
+            # (one read a sequence, at its prompt.) Eager attends such a row's queries uniformly over
+            # every key, fully masked; the cache op lets a pad that sees nothing see itself.
+            empty = [i for i in range(batch) if not bool(valid[i, :total].any())]
+            raise InputError(f"[{self.tag}] attention_mask row {empty[0]} has no real token (all {total} positions are "
+                             "padding): no output of that row means anything; drop the row, or give it a token (a BOS)")
         if decode_step:  # graphs read it in place: one tensor, filled
             write_pos = self.decode_write_pos
             write_pos.fill_(past)
