@@ -715,9 +715,14 @@ def test_what_eager_computes_differently_from_the_step_is_refused_not_run():
     empty[1] = 0
     with pytest.raises(pw.InputError, match=r"attention_mask row 1 has no real token \(all 6 positions are padding\)"):
         compiled.generate(ids, attention_mask=empty, do_sample=False, max_new_tokens=2)
-    # what stays served: is_causal=True (the default), consecutive positions without a mask
+    with pytest.raises(pw.InputError, match=r"generate\(prefill_chunk_size=4\) feeds the 6-token prompt in chunks"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2, prefill_chunk_size=4)
+    # what stays served: flags at transformers' default (is_causal=True, output_router_logits=False),
+    # consecutive positions without a mask
     want = _eager("llama", ids, mask, max_new_tokens=3)
     assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3, is_causal=True), want)
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3,
+                                         output_router_logits=False), want)
     with torch.no_grad():
         got = compiled(ids, position_ids=torch.arange(6).expand(2, 6), use_cache=False).logits
         torch.testing.assert_close(got, _build("llama", "sdpa")(ids).logits, rtol=1e-4, atol=1e-4)

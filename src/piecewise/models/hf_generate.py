@@ -325,6 +325,8 @@ _UNSUPPORTED = ("inputs_embeds", "labels", "output_attentions", "output_hidden_s
 #: keyword arguments a step takes (`cache_position` is transformers' own numbering of the new tokens'
 #: cache slots, which the route keeps itself); any other one set is refused
 _STEP_KWARGS = frozenset(_GENERATION_KWARGS) | {"input_ids", "cache_position"}
+#: forward flags whose default is True (every other flag's is False, as `output_router_logits`)
+_DEFAULT_TRUE = frozenset({"is_causal"})
 
 
 def _positions_held(cache: Any) -> int:
@@ -397,7 +399,7 @@ class GenerationRoute:
         # any other option transformers' forward takes (is_causal=False: bidirectional attention;
         # output_router_logits) changes what eager computes and the step never sees it
         bad += [k for k, v in kwargs.items() if k not in _STEP_KWARGS and k not in _UNSUPPORTED and v is not None
-                and not (k == "is_causal" and v is True)]
+                and v is not (k in _DEFAULT_TRUE)]  # a flag at transformers' default changes nothing
         if bad or input_ids is None or len(args) > 1:
             raise InputError(f"[{self.tag}] the compiled generation step takes input_ids (and attention_mask, position_ids, "
                              f"cache, use_cache, logits_to_keep); got {bad or 'positional arguments'}")
@@ -540,7 +542,9 @@ class GenerationRoute:
             # every key, fully masked; the cache op lets a pad that sees nothing see itself.
             empty = [i for i in range(batch) if not bool(valid[i, :total].any())]
             raise InputError(f"[{self.tag}] attention_mask row {empty[0]} has no real token (all {total} positions are "
-                             "padding): no output of that row means anything; drop the row, or give it a token (a BOS)")
+                             "padding): no output of that row means anything; drop the row, or give it a token (a BOS). "
+                             "(generate(prefill_chunk_size=...) gives a left-padded row such a first chunk: generate "
+                             "without it)")
         if decode_step:  # graphs read it in place: one tensor, filled
             write_pos = self.decode_write_pos
             write_pos.fill_(past)
@@ -675,6 +679,13 @@ class GenerationRoute:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return
         self._check_vocabulary(self._token_ids(ids))
+        chunk = kwargs.get("prefill_chunk_size", getattr(gen_cfg, "prefill_chunk_size", None))
+        if isinstance(chunk, int) and 1 < chunk < ids.shape[1]:
+            # the second chunk is several new tokens on a cache the route already filled, which it
+            # refuses (it cannot tell them from tokens fed again); the first, all left padding, has no real token
+            raise InputError(f"[{self.tag}] generate(prefill_chunk_size={chunk}) feeds the {ids.shape[1]}-token prompt in "
+                             "chunks; piecewise's generation step takes a whole prompt at once (up to max_model_len) and "
+                             "refuses several new tokens on a cache it already filled. Generate without prefill_chunk_size")
         new = kwargs.get("max_new_tokens", getattr(gen_cfg, "max_new_tokens", None) if "max_length" not in kwargs else None)
         total = ids.shape[1] + new if new is not None else kwargs.get("max_length", getattr(gen_cfg, "max_length", None))
         def setting(name: str) -> int:
