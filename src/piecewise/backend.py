@@ -789,7 +789,18 @@ def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     if recompile is not None:
         counters.bump("recompiles", tag=tag)
         log.info("[%s] Dynamo recompiled %s (graph %s of that frame): %s", tag, *recompile)
+        if not _warned_cache_recompile[0] and any(s in recompile[2] for s in _TRANSFORMERS_CACHE_MARKS):
+            _warned_cache_recompile[0] = True
+            warnings.warn(f"[{tag}] Dynamo recompiled on a transformers cache object ({recompile[2].splitlines()[0][:160]}): "
+                          "under torch.compile, generate() runs transformers' own KV cache, whose state and lengths "
+                          "Dynamo guards, so it recompiles as they first change. piecewise.compile(model).generate(...) "
+                          "serves every batch and length with one trace over a cache piecewise owns", stacklevel=2)
     return PiecewiseBackend(config, tag)(gm, example_inputs)
+
+
+#: marks of transformers' cache objects in Dynamo's recompile reasons (`dynamo_backend` warns once)
+_TRANSFORMERS_CACHE_MARKS = ("cache_utils.py", "['cache']", "['past_key_values']")
+_warned_cache_recompile = [False]
 
 
 _last_dynamo_compile: list[Any] = [None]  # weakref to the TracingContext of the last graph seen

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import itertools
 import logging
+import warnings
 
 import pytest
 import torch
@@ -402,6 +403,29 @@ def test_mode_none_generates_with_the_model_itself(spelling):
                 got = model.generate(ids, **kw)
         assert torch.equal(got, want), model.config.model_type
     assert counters.dynamo_traces == 0
+
+
+def test_generate_under_torch_compile_gives_eager_tokens_and_says_once_why_it_recompiles(monkeypatch):
+    """torch.compile(backend="piecewise") on the forward: transformers' own DynamicCache, whose
+    state Dynamo guards (recompiles on the cache's first fill and on the keyword arguments passed),
+    so the user is pointed at pw.compile once, and the tokens are eager's."""
+    from piecewise import backend
+
+    monkeypatch.setattr(backend, "_warned_cache_recompile", [False])
+    model = _build("llama", "piecewise")
+    model.forward = torch.compile(model.forward, backend="piecewise", options={"backend": "eager", "max_num_tokens": 256})
+    try:
+        for lengths in ([5, 3], [2, 7]):
+            ids, mask = _prompts(lengths)
+            with warnings.catch_warnings(record=True) as record, torch.no_grad():
+                warnings.simplefilter("always")
+                got = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+            assert torch.equal(got, _eager("llama", ids, mask, max_new_tokens=4))
+            said = [str(w.message) for w in record if "Dynamo recompiled on a transformers cache object" in str(w.message)]
+            assert len(said) == (1 if lengths == [5, 3] else 0), said
+        assert counters.recompiles > 0
+    finally:
+        torch._dynamo.reset()
 
 
 def test_plain_forward_still_runs_the_traced_forward():
