@@ -9,8 +9,8 @@ graphs. Everything here is pure Python over ints: no torch, no device.
 - `windowed_capture_sizes`: the schedule for replay batches holding ``w`` rows per request.
 - `validate_capture_sizes`: drop sizes above ``max_num_tokens`` (with a warning), log the result.
 - `pad_to_capture_size` / `PaddingTable`: the padding rule, and its O(1) hot-path form.
-- `plan_capture_sizes`: the sizes that minimise expected padding for an observed histogram of batch
-  sizes under a budget of graphs or bytes.
+- (`piecewise.graphs.planner.plan_capture_sizes`, a module of its own: the sizes that minimise
+  expected padding for an observed histogram of batch sizes under a budget of graphs or bytes.)
 - `padding_stats` / `padding_waste` / `padding_fraction`: what a schedule costs on a histogram.
 
 Units: every size and every "waste" is in rows (the dynamic dim, usually tokens). A histogram maps a
