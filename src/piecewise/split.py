@@ -68,8 +68,10 @@ class SplitResult:
         holds the ids of the splitting pieces."""
         splitting = set(splitting)
         items = []
-        for name, sub in split_gm.named_children():
-            if name.startswith("submod_"):
+        # not named_children(): it yields a module shared under several names once (a warm-start
+        # bundle shares the graph of equal pieces)
+        for name, sub in split_gm._modules.items():
+            if name.startswith("submod_") and sub is not None:
                 index = int(name[len("submod_"):])
                 items.append(SplitItem(name, index, index in splitting, sub))
         items.sort(key=lambda it: it.index)

@@ -76,7 +76,7 @@ __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fing
 log = logging.getLogger("piecewise")
 
 #: Bump when the bundle's layout or meaning changes: old bundles then miss (different start key).
-BUNDLE_FORMAT = 5
+BUNDLE_FORMAT = 6
 #: The artifact name of the bundle inside its entry.
 BUNDLE = "bundle"
 
@@ -285,9 +285,21 @@ def encode_bundle(split_module: torch.fx.GraphModule, piece_names: list[str], pl
     from torch.fx._graph_pickler import GraphPickler
 
     installed = {n: split_module.__dict__.pop(n) for n in piece_names if n in split_module.__dict__}
+    # Compiled pieces of one fingerprint (a model's repeated layers) run the same artifact and differ
+    # only in placeholder names: the bundle holds one graph for them all, which the decode shares
+    # (62 piece graphs of SmolLM2 unpickle as 32).
+    first: dict[str, str] = {}
+    children = split_module._modules
+    shared = {}
+    for spec in plan.runners:
+        owner = first.setdefault(spec.fingerprint, spec.name)
+        if owner != spec.name and spec.name in children and owner in children:
+            shared[spec.name] = children[spec.name]
+            children[spec.name] = children[owner]
     try:
         graphs = GraphPickler.dumps(split_module, _graph_options())
     finally:
+        children.update(shared)
         split_module.__dict__.update(installed)
     body = {"format": BUNDLE_FORMAT, "graphs": graphs, "plan": plan, "dynamo": dynamo, "sources": sources,
             "modules": modules}

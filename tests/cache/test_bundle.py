@@ -221,6 +221,33 @@ def test_second_instance_in_one_process_starts_from_the_bundle(tmp_path):
     assert cm.timings["dynamo"] == 0.0 and "bundle_load" in cm.timings
 
 
+def test_a_bundle_holds_one_graph_for_pieces_of_one_fingerprint(tmp_path):
+    from piecewise.split import SplitResult
+    from piecewise.warmstart import decode_bundle
+
+    root = tmp_path / "c"
+    cfg = pw.CompilationConfig(backend="eager", cache_dir=str(root), max_num_tokens=32)
+    cm = pw.compile(ToyTransformer(4, dim=16), cfg, dynamic_arg_dims={"x": 0})
+    cm(torch.randn(3, 16))
+    plan = cm.backend.plan()
+    fingerprints = {spec.name: spec.fingerprint for spec in plan.runners}
+    assert len(set(fingerprints.values())) < len(fingerprints)  # the repeated layers share a fingerprint
+    traced = {it.name: it.graph for it in cm.backend.split.items}
+    body = decode_bundle(open(bundle_file(str(root)), "rb").read())
+    items = SplitResult.from_module(body["split_module"], plan.splitting).items
+    assert [it.name for it in items] == list(traced)  # every piece, shared graphs included
+    by_name = {it.name: it.graph for it in items}
+    for name, fp in fingerprints.items():
+        owner = next(n for n, f in fingerprints.items() if f == fp)
+        assert by_name[name] is by_name[owner]
+        # the shared graph runs the same ops as the piece's own (only placeholder names differ)
+        assert [n.target for n in by_name[name].graph.nodes if n.op == "call_function"] == \
+            [n.target for n in traced[name].graph.nodes if n.op == "call_function"]
+    assert len({id(g) for g in by_name.values()}) == len(set(fingerprints.values())) + sum(it.is_splitting for it in items)
+    # the traced split module keeps its own graphs
+    assert len({id(g) for g in traced.values()}) == len(traced)
+
+
 def test_debug_mode_always_traces(tmp_path):
     cfg = pw.CompilationConfig(backend="eager", cache_dir=str(tmp_path / "c"), debug=True)
     for _ in range(2):
