@@ -255,3 +255,100 @@ def test_config_refuses_unknown_rope_type_and_bad_variant_fields():
         LlamaConfig(qkv_bias=1)
     with pytest.raises(ConfigError, match="rope_high_freq_factor"):
         LlamaConfig(rope_type="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0)
+
+
+# -- what the transformers model computes with, where its config could say otherwise -----------
+
+def test_a_mistral_window_applies_whatever_layer_types_says():
+    # Mistral's mask windows every layer once sliding_window is set; layer_types is not read
+    config = transformers.MistralConfig(**{**_TINY, "sliding_window": 16, "layer_types": ["full_attention"] * 2})
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with _no_compile_work(), pytest.raises(ConfigError, match="sliding window of 16.*max_seq_len <= 16"):
+        LlamaForCausalLM.from_hf(hf, max_seq_len=64)
+    # Qwen2 windows only the layers layer_types names
+    config = transformers.Qwen2Config(**{**_TINY, "use_sliding_window": True, "sliding_window": 16,
+                                         "layer_types": ["full_attention"] * 2})
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert LlamaForCausalLM.from_hf(hf, max_seq_len=64).config.max_seq_len == 64
+
+
+def test_eos_ids_are_the_generation_configs_even_when_it_has_none():
+    hf = tiny_hf("llama-gqa")
+    assert hf.config.eos_token_id is not None
+    hf.generation_config.eos_token_id = None  # generate() then never stops early
+    assert LlamaForCausalLM.from_hf(hf).eos_token_ids == ()
+    hf.generation_config.eos_token_id = [7, 9]
+    assert LlamaForCausalLM.from_hf(hf).eos_token_ids == (7, 9)
+
+
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1.3), ("no_repeat_ngram_size", 2),
+                                          ("suppress_tokens", [5]), ("min_new_tokens", 3), ("bad_words_ids", [[4]])])
+def test_a_generation_config_that_processes_greedy_logits_is_refused(field, value):
+    hf = tiny_hf("llama-gqa")
+    assert LlamaForCausalLM.from_hf(hf).config.num_layers == 2  # the defaults pass
+    setattr(hf.generation_config, field, value)
+    with _no_compile_work(), pytest.raises(ConfigError, match=f"generation_config sets {field}=.*pw.compile\\(model\\).generate"):
+        LlamaForCausalLM.from_hf(hf)
+
+
+@pytest.mark.parametrize("stale", [float("nan"), float("inf")])
+def test_stale_non_finite_cache_rows_never_reach_a_request(stale):
+    # a slot's rows past a request's position hold what an earlier occupant left (here: NaN or inf,
+    # as an fp16 key that overflowed leaves); decode batches gather them, masked
+    hf = tiny_hf("llama-gqa", seed=3)
+    prompts = make_prompts(5, VOCAB, seed=5, min_len=2, max_len=20)
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=3, max_seq_len=32)
+    for layer in model.layers:
+        layer.self_attn.k_cache.fill_(stale)
+        layer.self_attn.v_cache.fill_(stale)
+    log = StepLog(model)
+    run = greedy_decode(log, prompts, 6, arrival_steps=[0, 0, 1, 2, 2], config=model.config)  # no reset
+    assert run.tokens == want
+    assert any(decodes > 1 for _, decodes in log.steps)  # decode batches took the gathered path
+
+
+def test_a_model_cast_after_it_was_built_rotates_and_normalises_as_transformers_does():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from piecewise.models.llama import RMSNorm, _rope_scaling, apply_rotary, rotary_cos_sin, rotary_inv_freq
+
+    hf = tiny_hf("llama3-rope").to(torch.bfloat16)  # .to() rounds the rotary frequency buffer too
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=2, max_seq_len=64)
+    c = model.config
+    assert c.dtype == torch.bfloat16 and c.rope_inv_freq_dtype == torch.bfloat16
+    ours = rotary_inv_freq(c.head_dim, c.rope_theta, **_rope_scaling(c))
+    assert torch.equal(ours, hf.model.rotary_emb.inv_freq.float())
+    assert LlamaForCausalLM.from_hf(tiny_hf("llama3-rope"), max_seq_len=64).config.rope_inv_freq_dtype is None
+    # the same bfloat16 roundings as transformers' modules, to the bit
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 64, generator=gen).to(torch.bfloat16) * 3
+    norm = RMSNorm(64, c.rms_norm_eps).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(hf.model.norm.weight)
+        assert torch.equal(norm(x), hf.model.norm(x))
+    q = torch.randn(7, 4, c.head_dim, generator=gen).to(torch.bfloat16)
+    positions = torch.arange(30, 37)
+    cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, **_rope_scaling(c))
+    hf_cos, hf_sin = hf.model.rotary_emb(q, positions[None])
+    want, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], hf_cos, hf_sin)
+    assert torch.equal(apply_rotary(q, cos, sin), want[0].transpose(0, 1))
+
+
+def test_a_config_edited_after_the_model_was_built_is_not_followed_silently():
+    hf = tiny_hf("llama-gqa")
+    hf.config.rms_norm_eps = 0.5  # the built norms keep their epsilon, as transformers computes
+    assert LlamaForCausalLM.from_hf(hf).config.rms_norm_eps == hf.model.norm.variance_epsilon != 0.5
+    hf.config.rope_parameters = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 8.0}
+    with _no_compile_work(), pytest.raises(ConfigError, match="rotary_emb rotates by 8 frequencies that differ"):
+        LlamaForCausalLM.from_hf(hf)
+
+
+def test_the_decode_loop_takes_the_models_own_slots_when_given_no_config():
+    hf = tiny_hf("qwen2", seed=4)
+    prompts = make_prompts(5, VOCAB, seed=6, min_len=2, max_len=12)
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=2, max_seq_len=32)
+    run = greedy_decode(model, prompts, 4, arrival_steps=[0] * 5)  # 5 requests queue for 2 slots
+    assert run.tokens == [hf_greedy(hf, p, 4) for p in prompts]
+    with pytest.raises(InputError, match="max_num_seqs=3 exceeds the model's 2 sequence slots"):
+        greedy_decode(model, prompts, 4, max_num_seqs=3)

@@ -122,7 +122,8 @@ def greedy_decode(
             ``model.eos_token_ids`` of a model built by `LlamaForCausalLM.from_hf`.
         config: the model's `LlamaConfig` (or anything with `max_num_seqs` and `max_seq_len`):
             its KV-cache limits become the defaults and bounds above, checked before the first
-            step, so a request that cannot fit fails before anything is compiled.
+            step, so a request that cannot fit fails before anything is compiled. Default:
+            ``forward.config`` when `forward` has one (a `LlamaForCausalLM`), else none.
         max_num_tokens: the most tokens one step may feed (a compiled model's
             `CompilationConfig.max_num_tokens`). Requests are fed in admission order until it is
             spent; a prefill that does not fit is fed in chunks over several steps (chunked
@@ -157,6 +158,10 @@ def greedy_decode(
     if len(arrivals) != len(prompts):
         raise InputError(f"arrival_steps has {len(arrivals)} entries for {len(prompts)} prompts; give one per prompt")
     where = "the max_seq_len argument"
+    if config is None:  # the model itself: its slots bound the loop's (a model with fewer slots failed mid-run)
+        own = getattr(forward, "config", None)
+        if all(isinstance(getattr(own, f, None), int) for f in ("max_num_seqs", "max_seq_len")):
+            config = own
     if config is not None:
         name = type(config).__name__
         vocab = getattr(config, "vocab_size", None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,6 +70,9 @@ class LlamaConfig:
     rope_low_freq_factor: float = 1.0  # "llama3" only
     rope_high_freq_factor: float = 4.0  # "llama3" only
     rope_original_max_position: int = 8192  # "llama3" only: the pretraining context length
+    # None: the rotary frequencies are used in float32 as computed; a dtype: rounded to it first, as
+    # a transformers model cast with .to(dtype) rounds its frequency buffer and then rotates by it
+    rope_inv_freq_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -98,6 +102,10 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ConfigError(f"LlamaConfig.{name}={value!r} must be a positive number")
+        if self.rope_inv_freq_dtype is not None and (not isinstance(self.rope_inv_freq_dtype, torch.dtype)
+                                                     or not self.rope_inv_freq_dtype.is_floating_point):
+            raise ConfigError(f"LlamaConfig.rope_inv_freq_dtype={self.rope_inv_freq_dtype!r} must be None or a floating "
+                              "torch.dtype")
         value = self.rope_original_max_position
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"LlamaConfig.rope_original_max_position={value!r} must be a positive integer")
@@ -297,10 +305,16 @@ def _gathered_attention(q, k_cache, v_cache, seq, pos, scale):
     The rows are gathered with ``index_select`` (a row copy): advanced indexing ``k_cache[seq]``
     gives the same tensor through a general kernel that measured 4-5x slower on the CPU at
     SmolLM2's decode shapes (one thread: 60 against 12 us at batch 1, 433 against 116 us at batch
-    8, 192 cache positions), twice a layer."""
-    keys = k_cache.index_select(0, seq).transpose(1, 2)  # [n, num_kv_heads, max_seq_len, head_dim]
-    values = v_cache.index_select(0, seq).transpose(1, 2)
+    8, 192 cache positions), twice a layer.
+
+    Rows a token does not see are zeroed in the gathered copies, not only masked: they hold
+    whatever an earlier occupant of the slot left there, and a masked inf or NaN key or value
+    still turns SDPA's result into NaN (an fp16 key that overflowed in one request made another
+    request's tokens all 0)."""
     visible = torch.arange(k_cache.shape[1], device=q.device)[None, :] <= pos[:, None]  # [n, max_seq_len]
+    unseen = ~visible[:, :, None, None]
+    keys = k_cache.index_select(0, seq).masked_fill_(unseen, 0).transpose(1, 2)  # [n, num_kv_heads, max_seq_len, head_dim]
+    values = v_cache.index_select(0, seq).masked_fill_(unseen, 0).transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True
     )  # [n, num_heads, 1, head_dim]
@@ -367,7 +381,9 @@ def _(q, k, v, k_cache, v_cache, positions, seq_ids, scale, out):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim, computed in float32, returned in the input dtype."""
+    """Root-mean-square norm over the last dim, normalised in float32, cast to the input dtype,
+    then scaled by the weight (transformers' Llama order: in bfloat16 the product is rounded as
+    there, where scaling in float32 first gave other logits, one bfloat16 step apart)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -377,7 +393,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 def rotary_inv_freq(
@@ -390,11 +406,13 @@ def rotary_inv_freq(
     low_freq_factor: float = 1.0,
     high_freq_factor: float = 4.0,
     original_max_position: int = 8192,
+    rounded_to: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Inverse rotary frequencies, [head_dim / 2] float32, computed as transformers computes them
     for `rope_type` (same float32 operations in the same order, so the values are bit-equal):
     ``"default"``, ``"linear"`` (divided by `factor`) or ``"llama3"`` (Llama 3.1: long wavelengths
-    divided by `factor`, short ones kept, a smooth blend in between)."""
+    divided by `factor`, short ones kept, a smooth blend in between); with `rounded_to`, rounded to
+    that dtype (`LlamaConfig.rope_inv_freq_dtype`) and back to float32."""
     exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponent)
     if rope_type == "linear":
@@ -410,7 +428,7 @@ def rotary_inv_freq(
         inv_freq = torch.where(medium, smoothed, scaled)
     elif rope_type != "default":
         raise ConfigError(f"rope_type={rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    return inv_freq
+    return inv_freq if rounded_to is None else inv_freq.to(rounded_to).float()
 
 
 def rotary_cos_sin(
@@ -429,19 +447,22 @@ def rotary_cos_sin(
 
 
 def _rope_scaling(c: LlamaConfig) -> dict[str, Any]:
-    """`rotary_inv_freq` keywords for `c` (none for the default rotary embedding)."""
+    """`rotary_inv_freq` keywords for `c` (none for the default rotary embedding in float32)."""
+    out: dict[str, Any] = {} if c.rope_inv_freq_dtype is None else {"rounded_to": c.rope_inv_freq_dtype}
     if c.rope_type == "default":
-        return {}
-    return dict(rope_type=c.rope_type, factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
+        return out
+    return dict(out, rope_type=c.rope_type, factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
                 high_freq_factor=c.rope_high_freq_factor, original_max_position=c.rope_original_max_position)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [num_tokens, heads, head_dim] by the angles behind `cos`/`sin` (half-split pairing)."""
+    """Rotate `x` [num_tokens, heads, head_dim] by the angles behind `cos`/`sin` (float32,
+    [num_tokens, head_dim]; half-split pairing). `cos`/`sin` are cast to `x`'s dtype and the
+    rotation runs in it, as transformers' Llama does (in bfloat16 a float32 rotation rounds
+    differently)."""
     half = x.shape[-1] // 2
-    x32 = x.float()
-    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype)[:, None, :] + rotated * sin.to(x.dtype)[:, None, :]
 
 
 class LlamaAttention(nn.Module):
@@ -579,7 +600,7 @@ class LlamaForCausalLM(nn.Module):
         `lm_head` shares `embed_tokens`' weight), RMSNorm epsilon, rope theta and rope scaling of
         type default, linear or llama3. Weights are copied (the HF model is left untouched) onto
         the HF model's device in `dtype` (default: the HF model's); `eos_token_ids` comes from the
-        generation config (else the model config) for the decode loop.
+        generation config (the model config only for a model without one) for the decode loop.
 
         Args:
             max_num_seqs, max_seq_len: size of the static KV cache (`LlamaConfig`).
@@ -690,12 +711,50 @@ def _hf_param_name(name: str) -> str:
 
 
 def _hf_eos_token_ids(hf_model: nn.Module) -> tuple[int, ...]:
-    eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(hf_model.config, "eos_token_id", None)
+    """The ids `generate()` stops at: its generation config's (None there: it never stops, even
+    when the model config names one); the model config's only for a model without a generation config."""
+    gen = getattr(hf_model, "generation_config", None)
+    eos = gen.eos_token_id if gen is not None else getattr(hf_model.config, "eos_token_id", None)
     if eos is None:
         return ()
     return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+#: generation-config fields that make transformers' greedy ``generate()`` change the logits before
+#: its argmax (the logits processors it builds with ``do_sample=False``), each with the test for
+#: the value that leaves them alone; the decode loop applies no logits processor
+_GREEDY_PROCESSOR_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "repetition_penalty": lambda v: v is None or v == 1.0,
+    "no_repeat_ngram_size": lambda v: not v,
+    "bad_words_ids": lambda v: v is None,
+    "sequence_bias": lambda v: v is None,
+    "suppress_tokens": lambda v: v is None,
+    "begin_suppress_tokens": lambda v: v is None,
+    "forced_bos_token_id": lambda v: v is None,
+    "forced_eos_token_id": lambda v: v is None,
+    "min_length": lambda v: not v,
+    "min_new_tokens": lambda v: not v,
+    "exponential_decay_length_penalty": lambda v: v is None,
+    "guidance_scale": lambda v: v is None or v == 1,
+    "remove_invalid_values": lambda v: not v,
+    "watermarking_config": lambda v: v is None,
+}
+
+
+def _check_generation_config(hf_model: nn.Module) -> None:
+    """ConfigError when the model's generation config makes greedy ``generate()`` process its
+    logits (`_GREEDY_PROCESSOR_FIELDS`): the decode loop's tokens would silently differ."""
+    gen = getattr(hf_model, "generation_config", None)
+    if gen is None:
+        return
+    set_ = [f"{name}={getattr(gen, name)!r}" for name, default in _GREEDY_PROCESSOR_FIELDS.items()
+            if not default(getattr(gen, name, None))]
+    if set_:
+        raise ConfigError(
+            f"from_hf: {type(hf_model).__name__}.generation_config sets {', '.join(set_)}, which transformers' greedy "
+            "generate() applies to the logits before its argmax; the decode loop takes the plain argmax, so its tokens "
+            "would differ. Generate with pw.compile(model).generate(...), which runs transformers' own loop, or reset "
+            "the field(s) on hf_model.generation_config before from_hf to decode without them")
 
 
 def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
@@ -714,6 +773,7 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
     if not isinstance(lm_head, nn.Linear) or layers is None or getattr(body, "embed_tokens", None) is None:
         raise ConfigError(f"from_hf: {cls_name} has no language-model head; pass the *ForCausalLM model "
                           "(AutoModelForCausalLM), not the bare decoder")
+    _check_generation_config(hf_model)
     if lm_head.bias is not None:
         raise ConfigError(f"from_hf: {cls_name}.lm_head has a bias, which the reference decoder does not implement")
     act = getattr(cfg, "hidden_act", "silu")
@@ -728,8 +788,11 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"from_hf: {cls_name} uses rope_type={rope_type!r}, which the reference decoder does not "
                           f"implement; supported: {', '.join(ROPE_TYPES)}")
+    rotary = getattr(body, "rotary_emb", None)
+    held = getattr(rotary, "inv_freq", None)  # the frequencies the model rotates by
+    held = held if isinstance(held, torch.Tensor) else None
     partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
+    if held is None and partial not in (None, 1, 1.0):  # with the buffer, its length decides
         raise ConfigError(f"from_hf: {cls_name} uses partial_rotary_factor={partial!r}; only full rotary is implemented")
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
     scaling: dict[str, Any] = {}
@@ -745,13 +808,38 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
 
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)
-    if window is not None and (layer_types is None or "sliding_attention" in layer_types) and max_seq_len > window:
+    # Mistral windows every layer whenever sliding_window is set (its mask ignores layer_types);
+    # Qwen2 and Qwen3 window the layers layer_types names
+    windowed = window is not None and (model_type == "mistral" or layer_types is None or "sliding_attention" in layer_types)
+    if windowed and max_seq_len > window:
         raise ConfigError(f"from_hf: {cls_name} attends within a sliding window of {window} tokens and the reference "
                           f"attention is fully causal; use max_seq_len <= {window} (got {max_seq_len})")
 
     attn, mlp = layers[0].self_attn, layers[0].mlp
     embed = body.embed_tokens.weight
     num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    theta = float(theta if theta is not None else 10000.0)
+    # What the modules compute with, where it can differ from the config (a config edited after
+    # the model was built, a model cast after it was built): their epsilon and frequencies
+    eps = {float(m.variance_epsilon) for m in hf_model.modules() if isinstance(getattr(m, "variance_epsilon", None), float)}
+    if len(eps) > 1:
+        raise ConfigError(f"from_hf: {cls_name}'s RMSNorm modules use different epsilons {sorted(eps)}; the reference "
+                          "decoder has one (rms_norm_eps)")
+    rounded = None
+    if held is not None:
+        if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+            raise ConfigError(f"from_hf: {cls_name}'s rotary embedding scales cos/sin by {rotary.attention_scaling}, "
+                              "which the reference decoder does not implement")
+        rounded = held.dtype if held.dtype != torch.float32 else None
+        kw = {k.removeprefix("rope_"): v for k, v in scaling.items()}  # LlamaConfig's names -> rotary_inv_freq's
+        ours = rotary_inv_freq(head_dim, theta, rope_type=rope_type, rounded_to=rounded, **kw)
+        if held.shape != ours.shape or not torch.allclose(held.detach().float().cpu(), ours, rtol=1e-6, atol=0):
+            raise ConfigError(
+                f"from_hf: {cls_name}.model.rotary_emb rotates by {tuple(held.shape)[0]} frequencies that differ from the "
+                f"{ours.shape[0]} its config gives (rope_type={rope_type!r}, rope_theta={theta}, head_dim={head_dim}"
+                f"{f', partial_rotary_factor={partial}' if partial not in (None, 1, 1.0) else ''}): partial rotary, or "
+                "a config edited after the model was built; build the transformers model from the config it has")
     config = LlamaConfig(
         vocab_size=embed.shape[0],
         hidden_size=cfg.hidden_size,
@@ -759,9 +847,9 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
         num_layers=len(layers),
         num_heads=num_heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
-        rope_theta=float(theta if theta is not None else 10000.0),
-        rms_norm_eps=float(cfg.rms_norm_eps),
+        head_dim=head_dim,
+        rope_theta=theta,
+        rms_norm_eps=eps.pop() if eps else float(cfg.rms_norm_eps),
         max_num_seqs=max_num_seqs,
         max_seq_len=max_seq_len,
         dtype=dtype if dtype is not None else embed.dtype,
@@ -771,6 +859,7 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
         qk_norm=hasattr(attn, "q_norm"),
         tie_word_embeddings=lm_head.weight is embed,
         rope_type=rope_type,
+        rope_inv_freq_dtype=rounded,
         **scaling,
     )
     return config, config.tie_word_embeddings
