@@ -518,3 +518,100 @@ def test_value_whose_copy_does_not_compare_equal_is_guarded_not_refused():
     torch.testing.assert_close(cm(x, s2), model(x, s2))  # new tensor values are read live
     with pytest.raises(pw.InputError, match="k"):
         cm(x, Scales(torch.ones(4), k=2.0))
+
+
+class _Gain(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+class _WithGain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(16, 16)
+        self.gain = _Gain()
+
+    def forward(self, ids):
+        return self.gain(torch.ops.pw_test_state.attn(self.lin(torch.nn.functional.one_hot(ids, 16).float())))
+
+
+def _scaled_by(k):
+    def forward(self, x):  # one code object, another constant in each closure
+        return x * k
+    return forward
+
+
+def _plus_one(self, x):
+    return x + 1
+
+
+def test_a_submodule_forward_replaced_after_compile_is_followed(monkeypatch):
+    monkeypatch.setattr(_Gain, "forward", _Gain.forward)  # restored after the test
+    model = _WithGain()
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64), dynamic_arg_dims={"ids": 0})
+    ids = torch.tensor([1, 5, 7])
+    torch.testing.assert_close(cm(ids), model(ids))
+    for change in (lambda: setattr(_Gain, "forward", _scaled_by(-3.0)),  # on the class
+                   lambda: setattr(model.gain, "forward", _plus_one.__get__(model.gain)),  # on the instance
+                   lambda: model.gain.__dict__.pop("forward")):  # and taken off again
+        change()
+        with counters.expect(recompiles=1, state_changes=1, dynamo_traces=1):
+            torch.testing.assert_close(cm(ids), model(ids))
+        with counters.expect(recompiles=0, dynamo_traces=0):
+            ids = torch.tensor([2, 3, 4, 9])
+            torch.testing.assert_close(cm(ids), model(ids))
+    model.gain.note = "an attribute that is not code"
+    with counters.expect(recompiles=0, dynamo_traces=0):
+        torch.testing.assert_close(cm(ids), model(ids))
+
+
+@pytest.mark.parametrize("second", [_scaled_by(-1.0), _plus_one], ids=["same code, other closure", "other function"])
+def test_a_bundle_traced_from_another_submodule_forward_is_not_served(tmp_path, monkeypatch, second):
+    import gc
+
+    cfg = CompilationConfig(backend="eager", cache_dir=str(tmp_path / "c"), max_num_tokens=64)
+    ids = torch.tensor([1, 5, 7])
+    monkeypatch.setattr(_Gain, "forward", _scaled_by(2.0))
+    first = pw.compile(_WithGain(), cfg, dynamic_arg_dims={"ids": 0})
+    first(ids)
+    del first  # frees the tag: the next model asks for the same one
+    gc.collect()
+    _Gain.forward = second  # as another process would start with a patched class
+    model = _WithGain()
+    cm = pw.compile(model, cfg, dynamic_arg_dims={"ids": 0})
+    with counters.expect(bundle_hits=0, dynamo_traces=1):
+        torch.testing.assert_close(cm(ids), model(ids))
+    # and the unchanged setup still starts warm
+    del cm
+    gc.collect()
+    model = _WithGain()
+    cm = pw.compile(model, cfg, dynamic_arg_dims={"ids": 0})
+    with counters.expect(bundle_hits=1, dynamo_traces=0):
+        torch.testing.assert_close(cm(ids), model(ids))
+
+
+class _Act(torch.nn.Module):
+    def forward(self, ids):
+        h = torch.ops.pw_test_state.attn(torch.nn.functional.one_hot(ids, 16).float() - 0.5)
+        return torch.nn.functional.silu(h)
+
+
+_original_silu = torch.nn.functional.silu
+
+
+def _negated_silu(x, inplace=False):
+    return -_original_silu(x)
+
+
+def test_a_torch_function_replaced_in_its_module_is_refused_at_compile(monkeypatch):
+    # the pieces' generated code looks torch.nn.functional.silu up by name when it runs: it would
+    # call the replacement where the trace recorded the original (tokens differed from eager's)
+    monkeypatch.setattr(torch.nn.functional, "silu", _negated_silu)
+    model = _Act()
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64), dynamic_arg_dims={"ids": 0})
+    with pytest.raises(pw.CompileError, match=r"torch.nn.functional.silu \(now .*_negated_silu\).*Restore the torch function"):
+        cm(torch.tensor([1, 2, 3]))
+    monkeypatch.undo()
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64), dynamic_arg_dims={"ids": 0})
+    torch.testing.assert_close(cm(torch.tensor([1, 2, 3])), model(torch.tensor([1, 2, 3])))

@@ -138,6 +138,7 @@ class CompiledModel:
         self._state_epoch = -1
         self._state_layout: dict[str, Any] = {}
         self._plain_tensors: list[Any] = []
+        self._code_guard: state.CodeGuard | None = None  # the forwards the trace inlined (`_record_state`)
         self._skip_bundle = False
         self._autocast: Any = _UNSET  # the autocast state of the first call (`state.autocast_state`)
 
@@ -168,7 +169,8 @@ class CompiledModel:
         with torch.no_grad():
             if self._plain_tensors:
                 state.check_plain_tensors(self._plain_tensors)
-            if fast is None or (state.EPOCH != self._state_epoch and not self._state_unchanged()):
+            if (fast is None or (state.EPOCH != self._state_epoch and not self._state_unchanged())
+                    or not self._code_unchanged()):
                 return self._first_call(args, kwargs)
             args, kwargs, copies = self._signature.check(args, kwargs)
             if self._object_guards is not None:
@@ -254,16 +256,32 @@ class CompiledModel:
                 self._state_epoch = now
                 self._plain_tensors = state.plain_tensors(self.module)
                 return True
-            log.info("[%s] module state the trace read changed after compile (%s); tracing again", self.tag, "; ".join(changes))
-            counters.bump("recompiles", tag=self.tag)
-            counters.bump("state_changes", tag=self.tag)
-            self._fast, self.backend, self._guards, self._object_guards = None, None, None, None
-            # Trace for real: a bundle is found by a fingerprint of the module, which may not see
-            # what changed here (a hook swapped for another of the same count, in the same file).
-            self._skip_bundle = True
+            self._follow("; ".join(changes))
             return False
 
+    def _code_unchanged(self) -> bool:
+        """No submodule's forward was replaced since the trace (`state.CodeGuard`); else follow it."""
+        why = self._code_guard.changed() if self._code_guard is not None else ""
+        if not why:
+            return True
+        with self._lock:
+            if self._code_guard is not None and self._code_guard.changed():
+                self._follow(why)
+                self._code_guard = None
+        return False
+
+    def _follow(self, changes: str) -> None:
+        """Drop the compiled forward after a change the trace read: the next first call traces again."""
+        log.info("[%s] module state the trace read changed after compile (%s); tracing again", self.tag, changes)
+        counters.bump("recompiles", tag=self.tag)
+        counters.bump("state_changes", tag=self.tag)
+        self._fast, self.backend, self._guards, self._object_guards = None, None, None, None
+        # Trace for real: a bundle is found by a fingerprint of the module, which may not see
+        # what changed here (a hook swapped for another of the same count, in the same file).
+        self._skip_bundle = True
+
     def _record_state(self) -> None:
+        self._code_guard = state.CodeGuard(self.module)
         self._state_epoch = state.EPOCH
         self._state_layout, _ = state.describe(self.module)
         self._plain_tensors = state.plain_tensors(self.module)

@@ -39,7 +39,7 @@ from .ops import op_exists, registered_splitting_ops, resolve_splitting_ops
 from .graphs.install import graph_plan as plan_graphs
 from .graphs.install import token_mixing
 from .piece import EntryKind, EntryTable, PieceRunner, piece_fingerprint
-from .split import SplitResult, fx_forward, is_splitting_node, split_graph, written_inputs
+from .split import SplitResult, fx_forward, is_splitting_node, shadowed_torch_functions, split_graph, written_inputs
 from .tags import unique_tag
 from .targets import CompileTarget
 
@@ -143,6 +143,13 @@ class PiecewiseBackend:
                 "compile the variant under another tag"
             )
         counters.bump("graphs_seen", tag=self.tag)
+        shadowed = shadowed_torch_functions(gm)
+        if shadowed:
+            raise CompileError(
+                f"[{self.tag}] the traced code calls {', '.join(shadowed)}: a torch function replaced in its module. "
+                "Compiled pieces look torch functions up by name when they run and would call the replacement where "
+                "the trace recorded the original. Restore the torch function and override the caller instead (the "
+                "module or model function that calls it, e.g. the model's activation module)")
         self.prepare(example_inputs)  # already done before the trace by piecewise.compile; cheap again
         self.traced_files = traced_source_files()
         graph_hash = hashlib.sha256(gm.code.encode()).hexdigest()  # before splitting rewrites the graph

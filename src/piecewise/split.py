@@ -20,7 +20,8 @@ from torch.fx.passes.split_module import split_module
 from .errors import SplitError
 from .ops import normalize_op_name
 
-__all__ = ["SplitItem", "SplitResult", "split_graph", "is_splitting_node", "decompose_size_calls", "fx_forward"]
+__all__ = ["SplitItem", "SplitResult", "split_graph", "is_splitting_node", "decompose_size_calls", "fx_forward",
+           "shadowed_torch_functions"]
 
 
 def fx_forward(gm: torch.fx.GraphModule):
@@ -76,6 +77,38 @@ class SplitResult:
                 items.append(SplitItem(name, index, index in splitting, sub))
         items.sort(key=lambda it: it.index)
         return cls(split_gm, items)
+
+
+def shadowed_torch_functions(gm: torch.fx.GraphModule) -> list[str]:
+    """Torch functions the graph calls that their dotted name no longer reaches, as
+    ``"<dotted name> (now <module>.<name>)"``; empty for a graph that can run as traced.
+
+    FX's generated code names torch functions by their dotted path (``torch.nn.functional.silu``)
+    and looks them up when it runs, and torch's own Python functions dispatch to themselves by
+    name under a tracing mode (AOTAutograd's): after ``torch.nn.functional.silu = f`` (a user's
+    patch, which Dynamo traced through, recording the original inside ``f``) the pieces ran ``f``
+    again where the trace had the original, and generated tokens differed from eager's, with the
+    eager and the Inductor adaptor alike."""
+    from torch.fx.node import _get_qualified_name
+
+    out = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            continue
+        if not (getattr(target, "__module__", None) or "").startswith("torch"):
+            continue
+        try:
+            name = _get_qualified_name(target)
+            live: object = torch
+            for part in name.split(".")[1:]:
+                live = getattr(live, part)
+        except Exception:  # not reachable by name at all: FX binds it as a global
+            continue
+        if live is not target:
+            now = f"{getattr(live, '__module__', '?')}.{getattr(live, '__qualname__', type(live).__name__)}"
+            out.append(f"{name} (now {now})")
+    return sorted(set(out))
 
 
 def _target_name(target: object) -> str | None:

@@ -101,8 +101,10 @@ def _describe(v: Any, depth: int, memo: dict[int, Any]) -> Any:
         return ["tensor", str(v.dtype), v.device.type, list(v.shape)]
     if isinstance(v, torch.nn.Module):
         return ["module", type(v).__qualname__]  # walked on its own by module_fingerprint
-    try:  # a class, builtin or function held as an attribute (``self.act = torch.relu``): which one
-        return list(identity(v))
+    try:  # a class, builtin or function held as an attribute (``self.act = torch.relu``, a forward set
+        # on the instance): which one, and for a Python function what it closes over
+        return list(identity(v)) if depth <= 0 or not isinstance(getattr(v, "__func__", v), types.FunctionType) \
+            else _function_data(v, memo, depth)
     except Unrecordable:
         pass
     if depth <= 0:
@@ -156,6 +158,7 @@ def module_fingerprint(module: torch.nn.Module) -> str:
     memo: dict[int, Any] = {}
     first: dict[int, str] = {}  # id -> first path: which modules, tensors and attribute objects are shared
     storages: dict[int, str] = {}  # which distinct tensors lie on one storage (a buffer viewing another)
+    code: dict[type, str] = {}  # class -> its functions' description (`_class_code`), once a class
 
     def alias(obj: Any, path: str) -> str:
         if isinstance(obj, _PRIMITIVES):
@@ -175,8 +178,40 @@ def module_fingerprint(module: torch.nn.Module) -> str:
         attrs = {k + alias(v, f"{name}.{k}"): _describe(v, 2, memo)
                  for k, v in sorted(m.__dict__.items()) if k not in _MODULE_INTERNALS}
         attrs["__class_data__"] = _class_data(type(m), memo)
+        if type(m) not in code:
+            code[type(m)] = json.dumps(_class_code(type(m), memo), sort_keys=True, default=_json_default)
         h.update(json.dumps(attrs, sort_keys=True, default=_json_default).encode())
+        h.update(code[type(m)].encode())
     return h.hexdigest()
+
+
+def _function_data(fn: Any, memo: dict[int, Any], depth: int = 1) -> list[Any]:
+    """A function told apart across processes: module, qualified name and code digest
+    (`trace.identity`), and the values it closes over and its defaults (one function built twice
+    with another constant, by a closure or ``exec``, is two functions)."""
+    f = getattr(fn, "__func__", fn)
+    out = list(identity(f))
+    if isinstance(f, types.FunctionType):  # values `depth` levels deep (a function in them: its identity)
+        out.append([_cell(c, depth - 1) for c in (f.__closure__ or ())])
+        out.append(_describe(f.__defaults__, depth, memo))
+        out.append(_describe(f.__kwdefaults__, depth, memo))
+    return out
+
+
+def _class_code(cls: type, memo: dict[int, Any]) -> dict[str, Any]:
+    """The functions of a module's class and its bases up to `torch.nn.Module` (`_function_data`):
+    the code the trace inlined. A forward replaced on the class (``LlamaRMSNorm.forward = f``, by
+    a function from a file the trace never read) changes the fingerprint, so a bundle traced from
+    the old code is not served."""
+    out: dict[str, Any] = {}
+    for c in cls.__mro__:
+        if c is torch.nn.Module or c is object:
+            break
+        for k, v in vars(c).items():
+            f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+            if k not in out and isinstance(f, types.FunctionType):
+                out[k] = _function_data(f, memo)
+    return out
 
 
 def _class_data(cls: type, memo: dict[int, Any]) -> dict[str, Any]:
@@ -225,9 +260,9 @@ def start_factors(backend: Any, module: torch.nn.Module, call_signature: list[An
     }
 
 
-def _cell(cell: types.CellType) -> Any:
+def _cell(cell: types.CellType, depth: int = 1) -> Any:
     try:
-        return _describe(cell.cell_contents, 1, {})
+        return _describe(cell.cell_contents, depth, {})
     except ValueError:  # an empty cell
         return None
 
