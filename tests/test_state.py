@@ -615,3 +615,45 @@ def test_a_torch_function_replaced_in_its_module_is_refused_at_compile(monkeypat
     monkeypatch.undo()
     cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64), dynamic_arg_dims={"ids": 0})
     torch.testing.assert_close(cm(torch.tensor([1, 2, 3])), model(torch.tensor([1, 2, 3])))
+
+
+class _Dispatching(torch.nn.Module):
+    @__import__("functools").singledispatchmethod
+    def forward(self, x):  # a descriptor: every class access builds a new object
+        return x + 1
+
+
+class _Scaler:
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, x):
+        return x * self.k
+
+
+def test_the_code_guard_follows_any_callable_forward_and_no_descriptor_twice():
+    model = _WithGain()
+    model.gain = _Dispatching()
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64), dynamic_arg_dims={"ids": 0})
+    ids = torch.tensor([1, 5, 7])
+    with counters.expect(dynamo_traces=1, recompiles=0):
+        for _ in range(3):
+            torch.testing.assert_close(cm(ids), model(ids))
+    for forward in (_Scaler(3.0), torch.tanh):  # a callable object, a builtin, set on the instance
+        model.gain.forward = forward
+        with counters.expect(recompiles=1, dynamo_traces=1):
+            torch.testing.assert_close(cm(ids), model(ids))
+
+
+def test_a_function_of_a_module_named_like_torch_is_not_taken_for_a_replaced_torch_function(tmp_path, monkeypatch):
+    (tmp_path / "torchutil.py").write_text("import torch\n\n@torch._dynamo.allow_in_graph\ndef relu(x):\n    return x.clamp(min=0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import torchutil
+
+    class M(torch.nn.Module):
+        def forward(self, ids):
+            return torchutil.relu(torch.ops.pw_test_state.attn(torch.nn.functional.one_hot(ids, 16).float() - 0.5))
+
+    model = M()
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64), dynamic_arg_dims={"ids": 0})
+    torch.testing.assert_close(cm(torch.tensor([1, 2])), model(torch.tensor([1, 2])))

@@ -99,6 +99,10 @@ class CompiledModel:
         timings: seconds per phase of the first call (``dynamo`` trace, ``compile``, ``first_call``).
     """
 
+    #: set as ``module.forward`` (around ``generate()``, or by the user), this is not code a trace
+    #: inlined: `state.CodeGuard` leaves it out
+    _piecewise_compiled_model = True
+
     def __init__(self, module: torch.nn.Module, config: CompilationConfig, dynamic_arg_dims: Mapping[str, int | tuple[int, ...]]) -> None:
         self.module = module
         self.config = config

@@ -96,7 +96,8 @@ def shadowed_torch_functions(gm: torch.fx.GraphModule) -> list[str]:
         target = node.target
         if node.op != "call_function" or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             continue
-        if not (getattr(target, "__module__", None) or "").startswith("torch"):
+        module = getattr(target, "__module__", None) or ""
+        if module != "torch" and not module.startswith("torch."):  # not torchaudio, torch_foo
             continue
         try:
             name = _get_qualified_name(target)

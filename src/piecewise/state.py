@@ -106,11 +106,23 @@ def _bumping(fn: Any) -> Any:
 
 
 def _override(d: dict[str, Any]) -> Any:
-    """A Python function set as ``forward`` on a module instance (``norm.forward = MethodType(f,
-    norm)``), else None: other callables there (piecewise's own compiled model, set by
-    ``model.forward = compiled`` around ``generate()``) are not code the trace inlined."""
+    """What is set as ``forward`` on a module instance (``norm.forward = MethodType(f, norm)``, a
+    builtin, a callable object), else None. piecewise's own compiled model, set by
+    ``model.forward = compiled`` around ``generate()``, is not code the trace inlined: None."""
     v = d.get("forward")
-    return v if isinstance(v, (types.FunctionType, types.MethodType, functools.partial)) else None
+    return None if getattr(v, "_piecewise_compiled_model", False) else v
+
+
+def _class_forward(cls: type) -> tuple[tuple[Any, ...], Any]:
+    """The class dicts along `cls`'s MRO up to the first that defines ``forward`` and that raw
+    entry (a function, or a descriptor such as ``functools.singledispatchmethod``, which builds a
+    new object on every class access, so ``cls.forward`` cannot be compared by identity)."""
+    chain = []
+    for c in cls.__mro__:
+        chain.append(c.__dict__)
+        if "forward" in c.__dict__:
+            return tuple(chain), c.__dict__["forward"]
+    return tuple(chain), None
 
 
 class CodeGuard:
@@ -129,8 +141,9 @@ class CodeGuard:
         mods = list(module.modules())
         classes: dict[type, Any] = {}
         for m in mods:
-            classes.setdefault(type(m), type(m).forward)
-        self.classes = tuple(classes.items())
+            if type(m) not in classes:
+                classes[type(m)] = _class_forward(type(m))
+        self.classes = tuple((cls, chain, raw) for cls, (chain, raw) in classes.items())
         self.dicts = tuple(m.__dict__ for m in mods[1:])
         self.overrides = tuple(_override(d) for d in self.dicts)
         self.size = sum(map(len, self.dicts))
@@ -138,8 +151,8 @@ class CodeGuard:
 
     def changed(self) -> str:
         """What was replaced since the trace ('' when nothing was)."""
-        for cls, fn in self.classes:
-            if cls.forward is not fn:
+        for cls, chain, raw in self.classes:
+            if chain[-1].get("forward") is not raw or (len(chain) > 1 and any("forward" in d for d in chain[:-1])):
                 return f"{cls.__qualname__}.forward was replaced on the class"
         if all(d.get("forward") is v for d, v in self.held) and sum(map(len, self.dicts)) == self.size:
             return ""
