@@ -104,7 +104,7 @@ def shadowed_torch_functions(gm: torch.fx.GraphModule) -> list[str]:
             live: object = torch
             for part in name.split(".")[1:]:
                 live = getattr(live, part)
-        except Exception:  # not reachable by name at all: FX binds it as a global
+        except (AttributeError, RuntimeError, ValueError):  # not reachable by name: FX binds it as a global
             continue
         if live is not target:
             now = f"{getattr(live, '__module__', '?')}.{getattr(live, '__qualname__', type(live).__name__)}"
