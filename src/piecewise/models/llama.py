@@ -832,14 +832,6 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
             raise ConfigError(f"from_hf: {cls_name}'s rotary embedding scales cos/sin by {rotary.attention_scaling}, "
                               "which the reference decoder does not implement")
         rounded = held.dtype if held.dtype != torch.float32 else None
-        kw = {k.removeprefix("rope_"): v for k, v in scaling.items()}  # LlamaConfig's names -> rotary_inv_freq's
-        ours = rotary_inv_freq(head_dim, theta, rope_type=rope_type, rounded_to=rounded, **kw)
-        if held.shape != ours.shape or not torch.allclose(held.detach().float().cpu(), ours, rtol=1e-6, atol=0):
-            raise ConfigError(
-                f"from_hf: {cls_name}.model.rotary_emb rotates by {tuple(held.shape)[0]} frequencies that differ from the "
-                f"{ours.shape[0]} its config gives (rope_type={rope_type!r}, rope_theta={theta}, head_dim={head_dim}"
-                f"{f', partial_rotary_factor={partial}' if partial not in (None, 1, 1.0) else ''}): partial rotary, or "
-                "a config edited after the model was built; build the transformers model from the config it has")
     config = LlamaConfig(
         vocab_size=embed.shape[0],
         hidden_size=cfg.hidden_size,
@@ -862,4 +854,12 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
         rope_inv_freq_dtype=rounded,
         **scaling,
     )
+    if held is not None:  # the frequencies this config gives, as the decoder computes them
+        ours = rotary_inv_freq(head_dim, theta, **_rope_scaling(config))
+        if held.shape != ours.shape or not torch.allclose(held.detach().float().cpu(), ours, rtol=1e-6, atol=0):
+            raise ConfigError(
+                f"from_hf: {cls_name}.model.rotary_emb rotates by {tuple(held.shape)[0]} frequencies that differ from the "
+                f"{ours.shape[0]} its config gives (rope_type={rope_type!r}, rope_theta={theta}, head_dim={head_dim}"
+                f"{f', partial_rotary_factor={partial}' if partial not in (None, 1, 1.0) else ''}): partial rotary, or "
+                "a config edited after the model was built; build the transformers model from the config it has")
     return config, config.tie_word_embeddings
