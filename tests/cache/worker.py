@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--with-bias", action="store_true", help="pass a tensor for the optional 'bias' argument")
     ap.add_argument("--check-sizes", default="1,3,16")
     ap.add_argument("--sleep-after", type=float, default=0.0)
+    ap.add_argument("--then-compile", action="store_true",
+                    help="after the checks, compile another model (its own tag, a new graph) in this process")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -71,10 +73,25 @@ def main() -> int:
             if not torch.allclose(got, model(x, **kw), rtol=1e-4, atol=1e-4):
                 ok = False
         elapsed = time.perf_counter() - t0
+    # whether Inductor's compiler (its lowerings) was imported by the checks above
+    compiler_imported = "torch._inductor.lowering" in sys.modules
+    deltas = pw.counters.delta_since(before)  # the checks' counters, not the later compile's
+    then_equal = None
+    if args.then_compile:
+        other = ToyTransformer(num_layers=1, dim=24)
+        other_cm = pw.compile(other, pw.CompilationConfig(backend=args.backend, max_num_tokens=args.max_num_tokens,
+                                                          tag="then_compile"), dynamic_arg_dims={"x": 0})
+        x = torch.randn(5, 24)
+        then_equal = bool(torch.allclose(other_cm(x), other(x), rtol=1e-4, atol=1e-4))
+        # the model loaded before the compile still runs as eager does
+        x = torch.randn(3, getattr(model, "dim", 8))
+        then_equal = then_equal and bool(torch.allclose(cm(x), model(x), rtol=1e-4, atol=1e-4))
     if args.sleep_after:
         time.sleep(args.sleep_after)
     report = {
-        "counters": pw.counters.delta_since(before),
+        "compiler_imported": compiler_imported,
+        "then_equal": then_equal,
+        "counters": deltas,
         "warnings": [str(w.message) for w in caught if "piecewise" in str(w.message)],
         "equal": ok,
         "seconds": elapsed,

@@ -31,15 +31,19 @@ from ..errors import CompileError
 from ..ops import resolve_splitting_ops
 from . import isa_record
 from .base import CompiledPiece, CompilerAdaptor, CompileTarget
+from .inductor_runtime import light_inductor_runtime
 from .partition import PartitionedCallable, PartitionMarker, partition_scope
 
 log = logging.getLogger("piecewise")
 
 __all__ = ["InductorAdaptor"]
 
-#: what Inductor's generated wrapper modules import (their first load pays for these)
-_RUNTIME_MODULES = ("torch._inductor.select_algorithm", "torch._inductor.async_compile",
-                    "torch._inductor.codegen.memory_planning", "torch._inductor.hooks", "torch._dynamo.testing")
+#: what Inductor's generated wrapper modules and its runtime use (their first load pays for these;
+#: ``debug`` is read on every call and otherwise comes with the compiler's imports)
+_RUNTIME_MODULES = ("torch._inductor.async_compile", "torch._inductor.codegen.memory_planning",
+                    "torch._inductor.hooks", "torch._dynamo.testing", "torch._inductor.debug")
+#: what generated code and Inductor's cache-hit path import that `light_inductor_runtime` stands in for
+_COMPILER_MODULES = ("torch._inductor.select_algorithm", "torch._inductor.graph")
 
 
 class AliasingMarker(CustomGraphPass):
@@ -67,6 +71,8 @@ class InductorAdaptor(CompilerAdaptor):
         self.passes = PostGradPassManager.from_config(config)
         self._hash: str | None = None
         self._root: str | None = None  # the cache root `prepare` was given (where an ISA probe is recorded)
+        #: whether artifact loads run against `light_inductor_runtime` (`prepare` for a CPU device)
+        self._light_loads = False
         #: splitting ops Inductor partitions at (split_strategy="inductor_partition"), else None
         self.partition_ops: tuple[str, ...] | None = (
             resolve_splitting_ops(config.splitting_ops) if config.split_strategy == "inductor_partition" else None)
@@ -192,23 +198,29 @@ class InductorAdaptor(CompilerAdaptor):
           Not when this adaptor's config patches set ``cpp.vec_isa_ok`` or ``cpp.simdlen``:
           Inductor memoises its first answer per process, so it must be given under those patches,
           inside the compile.
-        - This thread imports the Inductor runtime modules generated code imports (~0.7 s)."""
+        - This thread imports the Inductor runtime modules generated code imports (~0.15 s). On
+          the CPU that leaves out ``select_algorithm`` and ``graph`` (0.6 s), which an artifact
+          load does without (`inductor_runtime`) and a compile imports itself; on a GPU, whose
+          loads have not run against the stand-ins, they are imported too."""
         self._root = root
         if device == "cpu" and not _patches_isa(self.config_patches):
             isa_record.assume(root)
         import importlib
 
-        for name in _RUNTIME_MODULES:
+        self._light_loads = device == "cpu"
+        for name in _RUNTIME_MODULES if self._light_loads else (*_RUNTIME_MODULES, *_COMPILER_MODULES):
             importlib.import_module(name)
 
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
 
+        light = light_inductor_runtime() if self._light_loads else contextlib.nullcontext()
         if self.partition_ops is None:
-            fn = AOTCompiledArtifact.deserialize(payload)
+            with light:
+                fn = AOTCompiledArtifact.deserialize(payload)
         else:
             # Inductor wraps the partitions while it rebuilds the callable; no scheduling happens
-            with partition_scope(self.partition_ops, gpu=True) as slots:
+            with partition_scope(self.partition_ops, gpu=True) as slots, light:
                 fn = AOTCompiledArtifact.deserialize(payload)
         # A loaded artifact returns its outputs as a list; the piece's graph may return one value.
         out = (lambda *args: fn(*args)[0]) if _returns_single_value(graph) else fn
