@@ -282,7 +282,9 @@ def test_eos_ids_are_the_generation_configs_even_when_it_has_none():
 
 
 @pytest.mark.parametrize("field, value", [("repetition_penalty", 1.3), ("no_repeat_ngram_size", 2),
-                                          ("suppress_tokens", [5]), ("min_new_tokens", 3), ("bad_words_ids", [[4]])])
+                                          ("suppress_tokens", [5]), ("min_new_tokens", 3), ("bad_words_ids", [[4]]),
+                                          ("num_beams", 3), ("encoder_repetition_penalty", 3.0),
+                                          ("encoder_no_repeat_ngram_size", 1)])
 def test_a_generation_config_that_processes_greedy_logits_is_refused(field, value):
     hf = tiny_hf("llama-gqa")
     assert LlamaForCausalLM.from_hf(hf).config.num_layers == 2  # the defaults pass
@@ -306,6 +308,20 @@ def test_stale_non_finite_cache_rows_never_reach_a_request(stale):
     run = greedy_decode(log, prompts, 6, arrival_steps=[0, 0, 1, 2, 2], config=model.config)  # no reset
     assert run.tokens == want
     assert any(decodes > 1 for _, decodes in log.steps)  # decode batches took the gathered path
+
+
+def test_a_model_built_under_inference_mode_decodes_outside_it():
+    # the KV cache is written in place by every step: built as an inference tensor, no step
+    # outside inference mode could write it (reset included)
+    hf = tiny_hf("llama-gqa", seed=3)
+    prompts = make_prompts(3, VOCAB, seed=5, min_len=2, max_len=12)
+    want = [hf_greedy(hf, p, 4) for p in prompts]
+    with torch.inference_mode():
+        model = LlamaForCausalLM.from_hf(hf, max_num_seqs=2, max_seq_len=32)
+    assert not model.layers[0].self_attn.k_cache.is_inference()
+    with torch.no_grad():
+        run = greedy_decode(model, prompts, 4, config=model.config, reset=model.reset_kv_cache)
+    assert run.tokens == want
 
 
 def test_a_model_cast_after_it_was_built_rotates_and_normalises_as_transformers_does():
@@ -352,3 +368,11 @@ def test_the_decode_loop_takes_the_models_own_slots_when_given_no_config():
     assert run.tokens == [hf_greedy(hf, p, 4) for p in prompts]
     with pytest.raises(InputError, match="max_num_seqs=3 exceeds the model's 2 sequence slots"):
         greedy_decode(model, prompts, 4, max_num_seqs=3)
+    # so does the model compiled (its .config is the CompilationConfig; the model is .module)
+    compiled = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64),
+                          dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
+    assert greedy_decode(compiled, prompts, 4, arrival_steps=[0] * 5, reset=model.reset_kv_cache).tokens == run.tokens
+    with pytest.raises(InputError, match="max_num_seqs=3 exceeds the model's 2 sequence slots"):
+        greedy_decode(compiled, prompts, 4, max_num_seqs=3)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        greedy_decode(compiled, [[VOCAB]], 4)

@@ -306,6 +306,20 @@ def test_the_kv_cache_stays_at_one_address_across_generate_calls():
     assert [t.data_ptr() for pair in route.step.caches() for t in pair] == before
 
 
+def test_a_first_generate_under_inference_mode_leaves_a_cache_later_calls_write():
+    # the cache is allocated on the first generate(); under torch.inference_mode() it would be an
+    # inference tensor, which a later call outside inference mode may not write in place
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    ids, mask = _prompts([4, 6])
+    want = _eager("llama", ids, mask, max_new_tokens=4)
+    with torch.inference_mode():
+        first = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    assert not any(t.is_inference() for pair in compiled._route.step.caches() for t in pair)
+    with torch.no_grad():
+        again = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    assert torch.equal(first, want) and torch.equal(again, want)
+
+
 def test_limits_are_typed_errors_before_any_compile():
     compiled = pw.compile(_build("llama", "piecewise"), _config(max_num_seqs=2, max_model_len=32))
     ids, mask = _prompts([3, 3, 3])
@@ -661,6 +675,20 @@ def test_a_decoding_loop_that_passes_back_the_returned_cache_equals_eager():
     with pytest.raises(pw.InputError, match="already holds 7 positions .* a call of this compiled model without generation"):
         _decoding_loop(compiled, ids, 1)
     assert counters.recompiles == 0
+
+
+def test_a_decoding_loop_that_changes_the_batch_on_its_cache_is_refused():
+    # rows are cache slots: a loop that dropped a finished row (3 rows to 2) read rows 0..1 where
+    # its sequences' keys were in rows 1..2, and gave other tokens; eager fails on the sizes too
+    compiled = pw.compile(_build("llama", "piecewise"), _config())
+    ids, _ = _prompts([5, 5, 5])
+    with torch.no_grad():
+        out = compiled(ids, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        for rows in (nxt[1:], torch.cat([nxt, nxt[:1]])):
+            with pytest.raises(pw.InputError, match="sequences on a generation cache started with 3"):
+                compiled(rows, past_key_values=out.past_key_values, use_cache=True)
+        compiled(nxt, past_key_values=out.past_key_values, use_cache=True)  # the same rows go on
 
 
 def test_static_cache_calls_of_growing_length_keep_one_trace():

@@ -159,9 +159,12 @@ def greedy_decode(
         raise InputError(f"arrival_steps has {len(arrivals)} entries for {len(prompts)} prompts; give one per prompt")
     where = "the max_seq_len argument"
     if config is None:  # the model itself: its slots bound the loop's (a model with fewer slots failed mid-run)
-        own = getattr(forward, "config", None)
-        if all(isinstance(getattr(own, f, None), int) for f in ("max_num_seqs", "max_seq_len")):
-            config = own
+        # a pw.compile'd model holds its CompilationConfig as .config and the model as .module
+        for holder in (forward, getattr(forward, "module", None)):
+            own = getattr(holder, "config", None)
+            if all(isinstance(getattr(own, f, None), int) for f in ("max_num_seqs", "max_seq_len")):
+                config = own
+                break
     if config is not None:
         name = type(config).__name__
         vocab = getattr(config, "vocab_size", None)

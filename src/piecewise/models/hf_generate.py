@@ -254,8 +254,11 @@ class GenerationStep(torch.nn.Module):
         shape = (max_num_seqs, kv_heads, max_model_len, head_dim)
         for i in range(layers):
             for kind in ("k", "v"):
-                t = (getattr(caches, f"{kind}_cache_{i}") if caches is not None
-                     else torch.zeros(shape, dtype=param.dtype, device=param.device))
+                # never an inference tensor: a first generate() under torch.inference_mode() would
+                # leave a cache no later call outside it could write
+                with torch.inference_mode(False):
+                    t = (getattr(caches, f"{kind}_cache_{i}") if caches is not None
+                         else torch.zeros(shape, dtype=param.dtype, device=param.device))
                 self.register_buffer(f"{kind}_cache_{i}", t, persistent=False)
         self.num_layers = layers
         #: kv_valid passed with every slot's row (``[max_num_seqs, max_model_len]``), not the batch's
@@ -382,6 +385,8 @@ class GenerationRoute:
         self.kv_valid: torch.Tensor | None = None
         self._cache_ref: Any = None
         self._past = 0
+        #: the batch of the call that started the cache object now continued (rows are slots)
+        self._past_batch = 0
         #: ids of the compiled steps whose layers were checked to reach the cache
         self._verified: set[int] = set()
         #: cache objects of generations this route served (a served one coming back after another
@@ -492,6 +497,13 @@ class GenerationRoute:
                              "decoding and chunked prefill are not supported by piecewise's generation KV cache; pass "
                              "the whole sequence to generate() without past_key_values, or generate with the model "
                              "itself, uncompiled (attn_implementation='sdpa')")
+        if past > 0 and batch != self._past_batch:
+            # rows are cache slots: another batch on the same cache would read other sequences'
+            # keys (a loop that drops a finished row); eager fails on the size mismatch too
+            raise InputError(f"[{self.tag}] {batch} sequences on a generation cache started with {self._past_batch}: "
+                             "each row of a continued cache is one sequence's slot, so the batch cannot change "
+                             "mid-generation; keep finished rows in the batch (as generate() does), or start a new "
+                             "cache (call without past_key_values) for the new batch")
         if batch > self.max_num_seqs:
             raise InputError(f"[{self.tag}] {batch} sequences in one call, above max_num_seqs={self.max_num_seqs}; raise "
                              "CompilationConfig(max_num_seqs=...) or generate in smaller batches")
@@ -583,6 +595,8 @@ class GenerationRoute:
             self._check_layers_reach_cache(compiled)
             self._verified.add(id(compiled))
         self._past = total if cache is not None else 0
+        if past == 0:
+            self._past_batch = batch
         if not last_only and isinstance(keep, int) and keep > 0:
             logits = logits[:, -keep:]
         elif isinstance(keep, torch.Tensor):  # positions to keep, as transformers reads a tensor
@@ -814,7 +828,8 @@ class GenerationRoute:
 
         if self.step is None:
             self.step = GenerationStep(self.model, self.max_num_seqs, self.max_model_len, last_logits_only=True)
-            self.kv_valid = torch.zeros(self.max_num_seqs, self.max_model_len, dtype=torch.bool, device=device)
+            with torch.inference_mode(False):  # written by every later call, in inference mode or not
+                self.kv_valid = torch.zeros(self.max_num_seqs, self.max_model_len, dtype=torch.bool, device=device)
         step = self.step if last_only else self.step.sharing(last_logits_only=False)
         if decode:
             step = self.step.sharing(last_logits_only=True)
@@ -827,7 +842,8 @@ class GenerationRoute:
                                          compile_ranges=(), max_num_tokens=self.max_num_seqs,
                                          cudagraph_capture_sizes=sizes)
             compiled = pw_compile(step, config, dynamic_arg_dims={"input_ids": 0, "position_ids": 0})
-            self.decode_write_pos = torch.zeros(1, dtype=torch.long, device=device)
+            with torch.inference_mode(False):
+                self.decode_write_pos = torch.zeros(1, dtype=torch.long, device=device)
             self.compiled[key] = compiled
             return compiled
         # Batch and token dims are both dynamic, so size and range compiles (keyed by one token

@@ -485,8 +485,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         cache_shape = (c.max_num_seqs + 1, c.max_seq_len, c.num_kv_heads, c.head_dim)
-        self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=c.dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=c.dtype), persistent=False)
+        with torch.inference_mode(False):  # written in place by every step, in inference mode or not
+            self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=c.dtype), persistent=False)
+            self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=c.dtype), persistent=False)
 
     def forward(self, x, cos, sin, positions, seq_ids):
         c = self.config
@@ -625,12 +626,15 @@ class LlamaForCausalLM(nn.Module):
                 f"(missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatch {mismatched[:5]}); "
                 f"supported model types: {', '.join(SUPPORTED_HF_MODEL_TYPES)}"
             )
-        model.to_empty(device=device)
-        if tied:  # to_empty makes new tensors per module: tie again
-            model.lm_head.weight = model.embed_tokens.weight
-        for name, param in model.state_dict(keep_vars=True).items():
-            param.copy_(theirs[name])
-        model.reset_kv_cache()  # to_empty left the caches uninitialised
+        # never inference tensors (from_hf under torch.inference_mode()): the KV caches are written
+        # in place by every step, in inference mode or not
+        with torch.inference_mode(False), torch.no_grad():  # inference_mode(False) turns grad mode on
+            model.to_empty(device=device)
+            if tied:  # to_empty makes new tensors per module: tie again
+                model.lm_head.weight = model.embed_tokens.weight
+            for name, param in model.state_dict(keep_vars=True).items():
+                param.copy_(theirs[name])
+            model.reset_kv_cache()  # to_empty left the caches uninitialised
         model.eos_token_ids = _hf_eos_token_ids(hf_model)
         return model.eval()
 
@@ -726,6 +730,11 @@ def _hf_eos_token_ids(hf_model: nn.Module) -> tuple[int, ...]:
 _GREEDY_PROCESSOR_FIELDS: dict[str, Callable[[Any], bool]] = {
     "repetition_penalty": lambda v: v is None or v == 1.0,
     "no_repeat_ngram_size": lambda v: not v,
+    # decoder-only models too: transformers takes the prompt for the encoder input
+    "encoder_repetition_penalty": lambda v: v is None or v == 1.0,
+    "encoder_no_repeat_ngram_size": lambda v: not v,
+    # not a logits processor: generate(do_sample=False) then runs beam search
+    "num_beams": lambda v: v is None or v == 1,
     "bad_words_ids": lambda v: v is None,
     "sequence_bias": lambda v: v is None,
     "suppress_tokens": lambda v: v is None,
@@ -752,7 +761,7 @@ def _check_generation_config(hf_model: nn.Module) -> None:
     if set_:
         raise ConfigError(
             f"from_hf: {type(hf_model).__name__}.generation_config sets {', '.join(set_)}, which transformers' greedy "
-            "generate() applies to the logits before its argmax; the decode loop takes the plain argmax, so its tokens "
+            "generate() applies to the logits before its argmax (num_beams: it searches beams instead); the decode loop takes the plain argmax, so its tokens "
             "would differ. Generate with pw.compile(model).generate(...), which runs transformers' own loop, or reset "
             "the field(s) on hf_model.generation_config before from_hf to decode without them")
 
