@@ -32,6 +32,10 @@ anything imported later (a compile in the same process) gets Inductor's own modu
 that already imported a real module keeps it: nothing is replaced. What a stand-in gives is the
 object Inductor's own module would give (the same torch functions), so a load through it runs the
 same code; only the import is skipped.
+
+Known limits (docs/design.md §4.5): the loaded wrappers keep the stand-in ``extern_kernels``, so a
+later patch of Inductor's own namespace does not reach them; another thread importing these
+modules' names while a load is under way gets the stand-ins' objects and keeps them.
 """
 
 from __future__ import annotations
@@ -125,8 +129,9 @@ def light_inductor_runtime() -> Iterator[None]:
     gives the stand-in unless the real module is already imported; after it (or once any name
     beyond the stand-ins' own is asked for) the real modules are imported on first use as usual.
 
-    Two threads' blocks may overlap: a load that finds the real module, or finds the stand-in
-    gone, only pays for the import; what runs is the same."""
+    Two threads' loads may overlap: a load that finds the real module, or finds the stand-in
+    gone, only pays for the import; what runs is the same. (Other code importing these modules in
+    another thread meanwhile gets the stand-ins: see the module doc.)"""
     with _lock:
         installed = [m for m in _STAND_INS if m.__name__ not in sys.modules]
         for mod in installed:
