@@ -65,16 +65,20 @@ def test_warm_process_with_inductor_and_compile_sizes(tmp_path, strategy, artifa
     root = str(tmp_path / "c")
     args = ["--model", "toy2", "--backend", "inductor", "--sizes", "4", "--check-sizes", "1,4,5,16",
             "--split-strategy", strategy]
-    cold, cc = run(root, *args)
+    cold, cc = run(root, *args, "--then-patch-extern")
     assert cold["equal"] and cc["bundles_saved"] == 1 and cold["compiler_imported"]
-    warm, c = run(root, *args, "--then-compile")
+    assert cold["patched_calls"] > 0, "the compiled pieces call no extern kernel: the patch check below cannot fail"
+    warm, c = run(root, *args, "--then-patch-extern", "--then-compile")
     assert warm["equal"]
     assert (c["dynamo_traces"], c["compiler_invocations"], c["bundle_hits"]) == (0, 0, 1)
     # FX split: 3 distinct pieces x (general, size 4); Inductor partition: the whole graph x 2
     assert c["cache_loads"] == cc["artifacts_saved"] == artifacts
     # the CPU loads ran without Inductor's compiler modules (compilers/inductor_runtime.py) ...
     assert not warm["compiler_imported"]
-    # ... which a compile in the same process then imports as usual, the loaded model unchanged
+    # ... and a patch of Inductor's extern kernels made after the load reaches the loaded pieces
+    # as it reaches compiled ones (the patch imports the real namespace, which the stand-in follows)
+    assert warm["patched_calls"] == cold["patched_calls"]
+    # ... and a compile in the same process then imports Inductor as usual, the loaded model unchanged
     assert warm["then_equal"] is True
 
 

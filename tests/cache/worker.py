@@ -5,6 +5,7 @@ Exit status 3 when an output differs. Used by the cache tests to get real proces
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -47,6 +48,9 @@ def main() -> int:
     ap.add_argument("--sleep-after", type=float, default=0.0)
     ap.add_argument("--then-compile", action="store_true",
                     help="after the checks, compile another model (its own tag, a new graph) in this process")
+    ap.add_argument("--then-patch-extern", action="store_true",
+                    help="after the checks, patch Inductor's extern_kernels.<torch kernel> with counting "
+                         "wrappers and call once more (a patch must reach loaded models as compiled ones)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -76,6 +80,30 @@ def main() -> int:
     # whether Inductor's compiler (its lowerings) was imported by the checks above
     compiler_imported = "torch._inductor.lowering" in sys.modules
     deltas = pw.counters.delta_since(before)  # the checks' counters, not the later compile's
+    patched_calls = None
+    if args.then_patch_extern:
+        from unittest import mock
+
+        import torch._inductor.select_algorithm as select_algorithm
+
+        from piecewise.compilers.inductor_runtime import TORCH_EXTERN_KERNELS
+
+        patched_calls = 0
+
+        def counting(fn):
+            def call(*a, **k):
+                nonlocal patched_calls
+                patched_calls += 1
+                return fn(*a, **k)
+            return call
+
+        names = [n for n in sorted(TORCH_EXTERN_KERNELS) if hasattr(select_algorithm.extern_kernels, n)]
+        with contextlib.ExitStack() as stack:
+            for n in names:
+                stack.enter_context(mock.patch.object(select_algorithm.extern_kernels, n,
+                                                      counting(getattr(select_algorithm.extern_kernels, n))))
+            x = torch.randn(3, getattr(model, "dim", 8))
+            ok = ok and bool(torch.allclose(cm(x), model(x), rtol=1e-4, atol=1e-4))
     then_equal = None
     if args.then_compile:
         other = ToyTransformer(num_layers=1, dim=24)
@@ -91,6 +119,7 @@ def main() -> int:
     report = {
         "compiler_imported": compiler_imported,
         "then_equal": then_equal,
+        "patched_calls": patched_calls,
         "counters": deltas,
         "warnings": [str(w.message) for w in caught if "piecewise" in str(w.message)],
         "equal": ok,

@@ -74,3 +74,55 @@ def test_a_process_that_imported_the_real_modules_keeps_them():
     with light_inductor_runtime():
         import torch._inductor.select_algorithm as during
     assert during is real and sys.modules["torch._inductor.select_algorithm"] is real
+
+
+def test_only_the_loading_thread_gets_the_stand_ins():
+    out = _fresh("""
+        import builtins, sys, threading
+        from piecewise.compilers.inductor_runtime import light_inductor_runtime
+        original = builtins.__import__
+        loading, other_done = threading.Event(), threading.Event()
+        seen = {}
+
+        def loader():
+            with light_inductor_runtime():
+                from torch._inductor.graph import GraphLowering
+                seen["loader"] = GraphLowering
+                loading.set()
+                other_done.wait(300)
+
+        def other():
+            loading.wait(300)
+            from torch._inductor.graph import GraphLowering  # while the load is under way
+            seen["other"] = GraphLowering
+            other_done.set()
+
+        threads = [threading.Thread(target=loader), threading.Thread(target=other)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        import torch._inductor.graph as graph
+        assert seen["other"] is graph.GraphLowering, "another thread got the stand-in"
+        assert seen["loader"] is not graph.GraphLowering and seen["loader"].save_output_code is None
+        assert builtins.__import__ is original, "the import wrapper outlived the load"
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_a_patch_of_inductors_extern_kernels_reaches_what_loaded_through_the_stand_in():
+    out = _fresh("""
+        import sys, torch
+        from unittest import mock
+        from piecewise.compilers.inductor_runtime import light_inductor_runtime
+        with light_inductor_runtime():
+            from torch._inductor.select_algorithm import extern_kernels  # as a generated wrapper binds it
+        assert extern_kernels.mm is torch.mm and "torch._inductor.lowering" not in sys.modules
+        import torch._inductor.select_algorithm as real  # later, anyone imports Inductor
+        patched = lambda *a: "patched"
+        with mock.patch.object(real.extern_kernels, "mm", patched):
+            assert extern_kernels.mm is patched
+        assert extern_kernels.mm is torch.mm is real.extern_kernels.mm
+        assert extern_kernels.bias_addmm is real.extern_kernels.bias_addmm
+        print("ok")
+    """)
+    assert out.strip() == "ok"

@@ -11,7 +11,8 @@ cache and compiles nothing.
 Inductor's cache-hit path also imports ``torch._inductor.graph`` (which imports the lowerings and
 ``select_algorithm``) to read one test hook, ``GraphLowering.save_output_code``.
 
-`light_inductor_runtime` answers those names while artifacts load, and only while they load:
+`light_inductor_runtime` answers those names while artifacts load, in the thread that loads them
+and only while it does:
 
 - ``extern_kernels.<name>`` is ``torch.<name>`` for the names in `TORCH_EXTERN_KERNELS`, which
   Inductor registers as exactly that torch function (``ExternKernelChoice(torch.mm, "mm", ...)``;
@@ -23,25 +24,32 @@ Inductor's cache-hit path also imports ``torch._inductor.graph`` (which imports 
   first, and a module already imported is never stood in for);
 - any other attribute of either module imports the real modules and forwards to them.
 
+How it stays out of everyone else's way:
+
+- The stand-ins never enter ``sys.modules``. During a load ``builtins.__import__`` is wrapped: a
+  ``from <module> import ...`` of one of the two modules, in a thread that is loading, while the
+  real module is not in ``sys.modules``, gets the stand-in; every other import (other threads,
+  other modules, ``import a.b`` without a from-list, ``importlib.import_module``) goes to the
+  import system unchanged. The wrapper is taken out when the last load ends.
+- The stand-in ``extern_kernels`` stays bound in the wrappers that loaded through it. Once a
+  stand-in was handed out, a finder on ``sys.meta_path`` waits for Inductor's real
+  ``select_algorithm`` to be imported (by anyone, for any reason) and then makes the stand-in
+  share the real namespace's attribute dictionary: a later registration or patch of
+  ``extern_kernels.<name>`` (``unittest.mock.patch.object``) reaches warm-loaded wrappers as it
+  reaches compiled ones, at no cost per call (a plain attribute lookup, as before).
+
 Runtime modules the generated code and Inductor's runtime use without importing them (they
 come with the compiler's imports: ``torch._inductor.debug`` is read on every call) are imported
-by `InductorAdaptor.prepare`.
-
-The stand-ins sit in ``sys.modules`` for the duration of the load and are taken out after it, so
-anything imported later (a compile in the same process) gets Inductor's own modules. A process
-that already imported a real module keeps it: nothing is replaced. What a stand-in gives is the
-object Inductor's own module would give (the same torch functions), so a load through it runs the
-same code; only the import is skipped.
-
-Known limits (docs/design.md §4.5): the loaded wrappers keep the stand-in ``extern_kernels``, so a
-later patch of Inductor's own namespace does not reach them; another thread importing these
-modules' names while a load is under way gets the stand-ins' objects and keeps them.
+by `InductorAdaptor.prepare`. What a stand-in gives is the object Inductor's own module would give
+(the same torch functions), so a load through it runs the same code; only the import is skipped.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import importlib
+import importlib.abc
 import sys
 import threading
 import types
@@ -60,31 +68,36 @@ _GRAPH = "torch._inductor.graph"
 TORCH_EXTERN_KERNELS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_int_mm"})
 
 _lock = threading.RLock()
+#: thread ident -> how many loads it is inside (`light_inductor_runtime` nests)
+_loading: dict[int, int] = {}
+#: the ``builtins.__import__`` the wrapper calls through, and whether the wrapper is installed
+_import_before: Any = None
+_installed = False
+#: whether the stand-in ``extern_kernels`` now shares the real namespace's attributes
+_linked = False
 
 
 def _real(name: str) -> types.ModuleType:
-    """Inductor's own module `name`, imported now if only the stand-in was there. Every stand-in
-    leaves ``sys.modules`` first, so Inductor's modules import one another as they always do."""
-    with _lock:
-        for mod in _STAND_INS:
-            if sys.modules.get(mod.__name__) is mod:
-                del sys.modules[mod.__name__]
-        real = importlib.import_module(name)
-        import torch._inductor as inductor_pkg
-
-        setattr(inductor_pkg, name.rsplit(".", 1)[1], real)
-        return real
+    """Inductor's own module `name`, imported now if it was not (the stand-ins are never in
+    ``sys.modules``, so Inductor's modules import one another as they always do)."""
+    return importlib.import_module(name)
 
 
 class _ExternKernels:
-    """Generated code's ``extern_kernels``: see the module doc."""
+    """Generated code's ``extern_kernels``: see the module doc. Before the real module is imported
+    it caches what it answered; after, its ``__dict__`` is the real namespace's (`_link`)."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        value = getattr(torch, name) if name in TORCH_EXTERN_KERNELS else getattr(_real(_SELECT_ALGORITHM).extern_kernels, name)
-        setattr(self, name, value)
-        return value
+        if name in TORCH_EXTERN_KERNELS:
+            # after `_link`, a torch kernel Inductor has not registered yet (its kernel modules
+            # import after select_algorithm) is answered without writing into its namespace
+            value = getattr(torch, name)
+            if not _linked:
+                self.__dict__[name] = value
+            return value
+        return getattr(_real(_SELECT_ALGORITHM).extern_kernels, name)
 
 
 class _AlgorithmSelectorCache:
@@ -97,7 +110,7 @@ class _AlgorithmSelectorCache:
 
 class _GraphLowering:
     """Inductor's cache-hit path reads ``GraphLowering.save_output_code`` (a test hook, None unless
-    a test set it; setting it imports the real module first, so the stand-in is never in place)."""
+    a test set it; setting it imports the real module first, so the stand-in is never handed out)."""
 
     save_output_code = None
 
@@ -119,27 +132,104 @@ def _stand_in(name: str, **attrs: Any) -> _StandIn:
     return mod
 
 
-_STAND_INS = (_stand_in(_SELECT_ALGORITHM, extern_kernels=_ExternKernels(), AlgorithmSelectorCache=_AlgorithmSelectorCache),
-              _stand_in(_GRAPH, GraphLowering=_GraphLowering))
+_EXTERN_KERNELS = _ExternKernels()
+_STAND_INS = {_SELECT_ALGORITHM: _stand_in(_SELECT_ALGORITHM, extern_kernels=_EXTERN_KERNELS,
+                                           AlgorithmSelectorCache=_AlgorithmSelectorCache),
+              _GRAPH: _stand_in(_GRAPH, GraphLowering=_GraphLowering)}
+
+
+def _link(real: types.ModuleType) -> None:
+    """Make the stand-in ``extern_kernels`` read and write the real namespace from now on."""
+    global _linked
+    with _lock:
+        if not _linked:
+            _EXTERN_KERNELS.__dict__ = real.extern_kernels.__dict__
+            _linked = True
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(_FOLLOW)
+
+
+class _LinkAfterExec(importlib.abc.Loader):
+    """Runs Inductor's own loader for ``select_algorithm``, then `_link`; the module's
+    ``__loader__`` is Inductor's own loader again afterwards."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__loader__ = module.__spec__.loader = self._inner
+        self._inner.exec_module(module)
+        _link(module)
+
+
+class _FollowRealImport(importlib.abc.MetaPathFinder):
+    """On ``sys.meta_path`` from the first stand-in ``extern_kernels`` handed out until Inductor's
+    ``select_algorithm`` has been imported (`_link` takes it out); answers nothing else."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _SELECT_ALGORITHM:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _LinkAfterExec(spec.loader)
+                return spec
+        return None
+
+
+_FOLLOW = _FollowRealImport()
+
+
+def _absolute(name: str, globals: Any, level: int) -> str:
+    if level == 0:
+        return name
+    package = (globals or {}).get("__package__") or ""
+    base = package.rsplit(".", level - 1)[0] if level > 1 else package
+    return f"{base}.{name}" if name else base
+
+
+def _import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+    if fromlist and _loading.get(threading.get_ident()):
+        full = _absolute(name, globals, level)
+        stand_in = _STAND_INS.get(full)
+        if stand_in is not None:
+            with _lock:
+                if full not in sys.modules:
+                    if full == _SELECT_ALGORITHM and not _linked and _FOLLOW not in sys.meta_path:
+                        sys.meta_path.insert(0, _FOLLOW)
+                    return stand_in
+    return _import_before(name, globals, locals, fromlist, level)
 
 
 @contextlib.contextmanager
 def light_inductor_runtime() -> Iterator[None]:
-    """Within the block, importing ``torch._inductor.select_algorithm`` or ``torch._inductor.graph``
-    gives the stand-in unless the real module is already imported; after it (or once any name
-    beyond the stand-ins' own is asked for) the real modules are imported on first use as usual.
+    """Within the block, in this thread, ``from torch._inductor.select_algorithm import ...`` and
+    ``from torch._inductor.graph import ...`` give the stand-ins unless the real module is already
+    imported; other threads, and this one after the block, import the real modules as usual.
 
-    Two threads' loads may overlap: a load that finds the real module, or finds the stand-in
-    gone, only pays for the import; what runs is the same. (Other code importing these modules in
-    another thread meanwhile gets the stand-ins: see the module doc.)"""
+    Loads may nest and may overlap in several threads; each thread gets the stand-ins only inside
+    its own blocks."""
+    global _import_before, _installed
+    me = threading.get_ident()
     with _lock:
-        installed = [m for m in _STAND_INS if m.__name__ not in sys.modules]
-        for mod in installed:
-            sys.modules[mod.__name__] = mod
+        if not _installed:
+            _import_before, _installed = builtins.__import__, True
+            builtins.__import__ = _import
+        _loading[me] = _loading.get(me, 0) + 1
     try:
         yield
     finally:
         with _lock:
-            for mod in installed:
-                if sys.modules.get(mod.__name__) is mod:
-                    del sys.modules[mod.__name__]
+            _loading[me] -= 1
+            if not _loading[me]:
+                del _loading[me]
+            # the wrapper leaves with the last load, unless something wrapped ``__import__`` over
+            # it meanwhile (then it stays in that chain, passing every import through)
+            if not _loading and builtins.__import__ is _import:
+                builtins.__import__, _installed = _import_before, False
