@@ -329,9 +329,19 @@ def test_limits_are_typed_errors_before_any_compile():
     with pytest.raises(pw.InputError, match=r"6 sequences .*\(2 prompts x 3 beams or returned sequences\), above max_num_seqs=2"):
         compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2, num_beams=3)
     ids, mask = _prompts([30])
-    with pytest.raises(pw.InputError, match="max_model_len=32"):
-        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5)
+    with pytest.raises(pw.InputError, match=r"needs 33 positions \(the last new token is not fed back\), above max_model_len=32"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
     assert counters.dynamo_traces == 0
+
+
+def test_a_generation_that_fills_the_cache_exactly_is_served():
+    """prompt + max_new_tokens = max_model_len + 1 needs max_model_len positions (the last token is
+    never fed back); it was refused as one position too many."""
+    compiled = pw.compile(_build("llama", "piecewise"), _config(max_num_seqs=2, max_model_len=32))
+    ids, mask = _prompts([30, 27], seed=5)
+    got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    assert got.shape == (2, 33)
+    assert torch.equal(got, _eager("llama", ids, mask, max_new_tokens=3))
 
 
 def test_layers_added_after_the_first_generate_are_a_typed_error_and_fewer_layers_are_served():
@@ -736,7 +746,7 @@ def test_inputs_generation_cannot_serve_are_typed_errors_naming_the_cause():
                         model.generate(wrong, do_sample=False, max_new_tokens=2)
     short = pw.compile(_tiny(LlamaConfig, num_key_value_heads=2, max_position_embeddings=32), _config(max_model_len=1024))
     ids, mask = _prompts([30])
-    with pytest.raises(pw.InputError, match=r"needs 40 positions, above the model's max_position_embeddings=32 \(it caps "
+    with pytest.raises(pw.InputError, match=r"needs 39 positions \(the last new token is not fed back\), above the model's max_position_embeddings=32 \(it caps "
                                             r"CompilationConfig.max_model_len=1024\)"):
         short.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
     dynamic = _tiny(LlamaConfig, num_key_value_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0})

@@ -349,7 +349,7 @@ class GenerationRoute:
     returns ``NotImplemented`` for a call that is not one (the model's own compiled forward runs).
 
     Limits, from the `CompilationConfig`: `max_num_seqs` rows a call (batch size) and
-    `max_model_len` cache positions (prompt plus generated tokens); a call above either raises
+    `max_model_len` cache positions (prompt plus generated tokens but the last, which is returned, never fed back); a call above either raises
     `InputError` naming the field, before anything runs.
     """
 
@@ -713,9 +713,11 @@ class GenerationRoute:
             how = f" ({ids.shape[0]} prompts x {widen} beams or returned sequences)" if widen > 1 else ""
             raise InputError(f"[{self.tag}] {rows} sequences in one generate() call{how}, above max_num_seqs="
                              f"{self.max_num_seqs}; raise CompilationConfig(max_num_seqs=...) or generate in smaller batches")
-        if total is not None and total > self.max_model_len:
-            raise InputError(f"[{self.tag}] prompt of {ids.shape[1]} tokens plus {total - ids.shape[1]} new ones needs {total} "
-                             f"positions, above {self._length_limit} the prompt / max_new_tokens")
+        # the last new token is returned, never fed back: the cache holds total - 1 positions
+        if total is not None and total - 1 > self.max_model_len:
+            raise InputError(f"[{self.tag}] prompt of {ids.shape[1]} tokens plus {total - ids.shape[1]} new ones needs "
+                             f"{total - 1} positions (the last new token is not fed back), above {self._length_limit} "
+                             "the prompt / max_new_tokens")
 
     def _check_layers_reach_cache(self, compiled: Any) -> None:
         """After a step's first call (its trace or warm start): every attention layer must have
