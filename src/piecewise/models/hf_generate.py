@@ -349,8 +349,8 @@ class GenerationRoute:
     returns ``NotImplemented`` for a call that is not one (the model's own compiled forward runs).
 
     Limits, from the `CompilationConfig`: `max_num_seqs` rows a call (batch size) and
-    `max_model_len` cache positions (prompt plus generated tokens but the last, which is returned, never fed back); a call above either raises
-    `InputError` naming the field, before anything runs.
+    `max_model_len` cache positions (prompt plus generated tokens but the last, which is returned,
+    never fed back); a call above either raises `InputError` naming the field, before anything runs.
     """
 
     def __init__(self, model: torch.nn.Module, config: Any, tag: str) -> None:
