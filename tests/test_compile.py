@@ -357,3 +357,40 @@ def test_an_exception_raised_in_user_code_during_the_trace_is_not_taken_for_piec
     with pytest.raises(pw.CompileError, match="cannot be captured as one graph") as info:
         cm(torch.ones(2, 3))
     assert not isinstance(info.value, pw.ConfigError)
+
+
+def test_first_calls_of_models_in_several_threads_take_turns_with_torch_compile():
+    """Cold first calls of several models from several threads ran Dynamo's capture and Inductor's
+    compiles at once: torch.fx's process-global patcher failed ("CURRENT_PATCHER is None"), 3 of
+    4 threads every time, and took plain torch.compile calls in other threads down with them.
+    Every output must equal eager, with no error in any thread."""
+    import threading
+
+    models = [ToyTransformer(num_layers=2, dim=40, seed=i).eval() for i in range(4)]
+    runners = [pw.compile(m, _cfg(backend="inductor", max_num_tokens=32, tag=f"threads_{i}"), dynamic_arg_dims={"x": 0})
+               if i % 2 == 0 else torch.compile(m, backend="inductor") for i, m in enumerate(models)]
+    start = threading.Barrier(len(models))
+    errors, mismatches = [], []
+
+    def work(i):
+        try:
+            g = torch.Generator().manual_seed(i)
+            start.wait()
+            for n in (5, 9, 5):
+                x = torch.randn(n, 40, generator=g)
+                with torch.no_grad():
+                    got, want = runners[i](x), models[i](x)
+                if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                    mismatches.append((i, n, (got - want).abs().max().item()))
+        except BaseException as e:  # noqa: BLE001  reported below, with the thread
+            errors.append((i, repr(e)[:300]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and mismatches == []
+    for tag in ("threads_0", "threads_2"):
+        tally = counters.by_tag[tag]
+        assert (tally.dynamo_traces, tally.recompiles) == (1, 0), tag

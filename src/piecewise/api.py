@@ -329,7 +329,15 @@ class CompiledModel:
             )
 
     def _first_call(self, args: tuple, kwargs: dict) -> Any:
-        with self._lock, _collect_young_only():
+        from torch._dynamo.convert_frame import compile_lock
+
+        # Dynamo's frame callback holds its process-wide `compile_lock` while it traces and a
+        # backend compiles; this trace (`trace.trace`, Dynamo's capture called directly) and the
+        # piece compiles and loads after it take it too: they share torch's process-global state
+        # (torch.fx's symbolic-trace patcher, Inductor's bundlers), and first calls of several
+        # models from several threads failed with "CURRENT_PATCHER is None", taking down plain
+        # torch.compile calls in other threads with them. First calls take turns, as torch.compile's do.
+        with self._lock, compile_lock, _collect_young_only():
             if self._fast is not None:
                 return self(*args, **kwargs)
             if self.module._forward_hooks or self.module._forward_pre_hooks:
