@@ -14,8 +14,8 @@ Inductor's cache-hit path also imports ``torch._inductor.graph`` (which imports 
 `light_inductor_runtime` answers those names while artifacts load, in the thread that loads them
 and only while it does:
 
-- ``extern_kernels.<name>`` is ``torch.<name>`` for the names in `TORCH_EXTERN_KERNELS`, which
-  Inductor registers as exactly that torch function (``ExternKernelChoice(torch.mm, "mm", ...)``;
+- ``extern_kernels.<name>`` is ``torch.<name>`` (as this module's import found it) for the names
+  in `TORCH_EXTERN_KERNELS`, which Inductor registers as exactly that torch function (``ExternKernelChoice(torch.mm, "mm", ...)``;
   ``tests/compilers/test_inductor_runtime.py`` checks each against Inductor's own namespace); any
   other name imports the real module and returns its kernel;
 - ``AlgorithmSelectorCache.generate_example_value`` forwards to the real method when called
@@ -27,10 +27,13 @@ and only while it does:
 How it stays out of everyone else's way:
 
 - The stand-ins never enter ``sys.modules``. During a load ``builtins.__import__`` is wrapped: a
-  ``from <module> import ...`` of one of the two modules, in a thread that is loading, while the
-  real module is not in ``sys.modules``, gets the stand-in; every other import (other threads,
-  other modules, ``import a.b`` without a from-list, ``importlib.import_module``) goes to the
-  import system unchanged. The wrapper is taken out when the last load ends.
+  ``from <module> import ...`` of one of the two modules, in a thread that is loading, from a
+  generated wrapper module or Inductor's cache-hit path, while the real module is not in
+  ``sys.modules``, gets the stand-in; every other import (other threads, other importers such as
+  an Inductor module imported for the first time during the load, ``import a.b`` without a
+  from-list, ``importlib.import_module``, pickle) goes to the import system unchanged. The
+  wrapper is taken out when the last load ends; a load that finds it no longer on the import
+  chain (something put back the ``__import__`` it saw before us) installs it again.
 - The stand-in ``extern_kernels`` stays bound in the wrappers that loaded through it. Once a
   stand-in was handed out, a finder on ``sys.meta_path`` waits for Inductor's real
   ``select_algorithm`` to be imported (by anyone, for any reason) and then makes the stand-in
@@ -66,13 +69,24 @@ _GRAPH = "torch._inductor.graph"
 #: extern kernels Inductor registers under the name of the torch function they are
 #: (``torch._inductor.kernel.mm``, ``bmm``, ``conv``: ``ExternKernelChoice(torch.<name>, "<name>")``)
 TORCH_EXTERN_KERNELS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_int_mm"})
+#: those functions as this module's import found them: Inductor's registry takes them once, when
+#: it is imported, so a ``torch.addmm`` replaced for a while later (a profiler counting flops over
+#: the first call) is not what loaded wrappers keep calling
+_TORCH_KERNELS = {name: getattr(torch, name) for name in TORCH_EXTERN_KERNELS}
+#: who gets the stand-ins: Inductor's generated wrapper modules (named under ``compile_tasks`` by
+#: the code cache's loader) and its cache-hit path in ``codecache`` (a function-level import); a
+#: module of Inductor's imported for the first time during a load (``compile_fx`` binds
+#: ``GraphLowering`` at its top) gets the real modules, or it would keep a stand-in for good
+_GENERATED_PREFIX = "torch._inductor.runtime.compile_tasks."
+_CACHE_HIT_PATH = "torch._inductor.codecache"
 
 _lock = threading.RLock()
 #: thread ident -> how many loads it is inside (`light_inductor_runtime` nests)
 _loading: dict[int, int] = {}
-#: the ``builtins.__import__`` the wrapper calls through, and whether the wrapper is installed
+#: the ``builtins.__import__`` the wrapper calls through (set when it is installed, never cleared)
 _import_before: Any = None
-_installed = False
+#: set in a thread while it checks whether the wrapper is still on ``builtins.__import__``'s chain
+_probe = threading.local()
 #: whether the stand-in ``extern_kernels`` now shares the real namespace's attributes
 _linked = False
 
@@ -85,18 +99,18 @@ def _real(name: str) -> types.ModuleType:
 
 class _ExternKernels:
     """Generated code's ``extern_kernels``: see the module doc. Before the real module is imported
-    it caches what it answered; after, its ``__dict__`` is the real namespace's (`_link`)."""
+    its attributes are `_TORCH_KERNELS`; after, its ``__dict__`` is the real namespace's (`_link`)."""
+
+    def __init__(self) -> None:
+        self.__dict__.update(_TORCH_KERNELS)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        if name in TORCH_EXTERN_KERNELS:
-            # after `_link`, a torch kernel Inductor has not registered yet (its kernel modules
-            # import after select_algorithm) is answered without writing into its namespace
-            value = getattr(torch, name)
-            if not _linked:
-                self.__dict__[name] = value
-            return value
+        if name in _TORCH_KERNELS:
+            # only after `_link`, for a torch kernel Inductor has not registered yet (its kernel
+            # modules import after select_algorithm): answered without writing into its namespace
+            return _TORCH_KERNELS[name]
         return getattr(_real(_SELECT_ALGORITHM).extern_kernels, name)
 
 
@@ -186,6 +200,24 @@ class _FollowRealImport(importlib.abc.MetaPathFinder):
 _FOLLOW = _FollowRealImport()
 
 
+def _for_stand_ins(globals: Any) -> bool:
+    importer = (globals or {}).get("__name__") or ""
+    return importer.startswith(_GENERATED_PREFIX) or importer == _CACHE_HIT_PATH
+
+
+def _on_import_chain() -> bool:
+    """Whether ``builtins.__import__`` still reaches `_import` (something may have wrapped it
+    after us, or put back what it saw before us, dropping us with it)."""
+    if builtins.__import__ is _import:
+        return True
+    _probe.active, _probe.seen = True, False
+    try:
+        builtins.__import__("sys")
+    finally:
+        _probe.active = False
+    return _probe.seen
+
+
 def _absolute(name: str, globals: Any, level: int) -> str:
     if level == 0:
         return name
@@ -195,7 +227,9 @@ def _absolute(name: str, globals: Any, level: int) -> str:
 
 
 def _import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
-    if fromlist and _loading.get(threading.get_ident()):
+    if getattr(_probe, "active", False):
+        _probe.seen = True
+    elif fromlist and _loading.get(threading.get_ident()) and _for_stand_ins(globals):
         full = _absolute(name, globals, level)
         stand_in = _STAND_INS.get(full)
         if stand_in is not None:
@@ -215,11 +249,11 @@ def light_inductor_runtime() -> Iterator[None]:
 
     Loads may nest and may overlap in several threads; each thread gets the stand-ins only inside
     its own blocks."""
-    global _import_before, _installed
+    global _import_before
     me = threading.get_ident()
     with _lock:
-        if not _installed:
-            _import_before, _installed = builtins.__import__, True
+        if not _on_import_chain():
+            _import_before = builtins.__import__
             builtins.__import__ = _import
         _loading[me] = _loading.get(me, 0) + 1
     try:
@@ -232,4 +266,4 @@ def light_inductor_runtime() -> Iterator[None]:
             # the wrapper leaves with the last load, unless something wrapped ``__import__`` over
             # it meanwhile (then it stays in that chain, passing every import through)
             if not _loading and builtins.__import__ is _import:
-                builtins.__import__, _installed = _import_before, False
+                builtins.__import__ = _import_before
