@@ -337,7 +337,9 @@ class CompiledModel:
         # (torch.fx's symbolic-trace patcher, Inductor's bundlers), and first calls of several
         # models from several threads failed with "CURRENT_PATCHER is None", taking down plain
         # torch.compile calls in other threads with them. First calls take turns, as torch.compile's do.
-        with self._lock, compile_lock, _collect_young_only():
+        # compile_lock before the model's own lock: a first run that calls another compiled model
+        # for the first time takes both in the same order as that model's own first call would.
+        with compile_lock, self._lock, _collect_young_only():
             if self._fast is not None:
                 return self(*args, **kwargs)
             if self.module._forward_hooks or self.module._forward_pre_hooks:
