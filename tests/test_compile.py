@@ -394,3 +394,57 @@ def test_first_calls_of_models_in_several_threads_take_turns_with_torch_compile(
     for tag in ("threads_0", "threads_2"):
         tally = counters.by_tag[tag]
         assert (tally.dynamo_traces, tally.recompiles) == (1, 0), tag
+
+
+def test_a_first_run_that_waits_on_a_thread_that_compiles_does_not_deadlock():
+    """The first call held Dynamo's compile lock through its first run: a splitting op handing work
+    to a worker thread whose own first call compiles (a pool, a rank's collective) waited on it
+    for good (helper-26: TimeoutError after 30 s, 1.6 s before)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+    doubled = torch.compile(lambda t: t * 2 + 1, backend="eager")  # its first call compiles, in the worker
+
+    @pw.splitting_op("pw_test_compile::through_a_worker", mutates_args=())
+    def through_a_worker(x: torch.Tensor) -> torch.Tensor:
+        return pool.submit(doubled, x).result(timeout=120)
+
+    @through_a_worker.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.b(torch.ops.pw_test_compile.through_a_worker(torch.relu(self.a(x))))
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    compiled = pw.compile(model, _cfg(max_num_tokens=32), dynamic_arg_dims={"x": 0})
+    try:
+        for n in (4, 7):
+            x = torch.randn(n, 16)
+            with torch.no_grad():
+                assert torch.allclose(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    finally:
+        pool.shutdown()
+
+
+def test_a_first_call_whose_run_raises_does_not_keep_its_trace():
+    """A float64 input to a float32 model traces, then fails in the run as eager does; the trace
+    stayed, and every later float32 call was refused ("compiled for torch.float64")."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16)).eval()
+    compiled = pw.compile(model, _cfg(max_num_tokens=32), dynamic_arg_dims={"input": 0})
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="dtype"):
+            model(x.double())
+        with pytest.raises(RuntimeError, match="dtype"):
+            compiled(x.double())
+        assert torch.allclose(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        y = torch.randn(3, 16)
+        assert torch.allclose(compiled(y), model(y), rtol=1e-5, atol=1e-5)

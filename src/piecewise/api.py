@@ -136,7 +136,9 @@ class CompiledModel:
         self._guards: Any = None  # Dynamo's guard manager of the trace (debug mode checks it)
         self._object_guards: Any = None  # guards rooted at object arguments, checked every call
         self._fast: Callable[..., Any] | None = None
-        self._lock = threading.Lock()
+        # re-entrant: a first call that finds another thread compiled meanwhile calls the model,
+        # whose state check takes the lock again
+        self._lock = threading.RLock()
         # Module state the trace read (`piecewise.state`): verified again whenever the epoch moved.
         state.install()
         self._state_epoch = -1
@@ -331,15 +333,7 @@ class CompiledModel:
     def _first_call(self, args: tuple, kwargs: dict) -> Any:
         from torch._dynamo.convert_frame import compile_lock
 
-        # Dynamo's frame callback holds its process-wide `compile_lock` while it traces and a
-        # backend compiles; this trace (`trace.trace`, Dynamo's capture called directly) and the
-        # piece compiles and loads after it take it too: they share torch's process-global state
-        # (torch.fx's symbolic-trace patcher, Inductor's bundlers), and first calls of several
-        # models from several threads failed with "CURRENT_PATCHER is None", taking down plain
-        # torch.compile calls in other threads with them. First calls take turns, as torch.compile's do.
-        # compile_lock before the model's own lock: a first run that calls another compiled model
-        # for the first time takes both in the same order as that model's own first call would.
-        with compile_lock, self._lock, _collect_young_only():
+        with self._lock:
             if self._fast is not None:
                 return self(*args, **kwargs)
             if self.module._forward_hooks or self.module._forward_pre_hooks:
@@ -351,39 +345,32 @@ class CompiledModel:
             args, kwargs, copies = self._signature.check(args, kwargs)
             versions = self._signature.versions(args, kwargs)
             t0 = time.perf_counter()
-            # Object arguments need the guard manager of a live trace (a bundle does not keep one).
-            start = None
-            if not (self._signature.objects or self._skip_bundle):
-                subject = StartSubject(self.config, self.tag, self.module, self._forward_fn,
-                                       tuple(self._signature.describe()), self.frame_locals)
-                start = WarmStart.open(subject, args, kwargs)
+            # Dynamo's frame callback holds its process-wide `compile_lock` while it traces and a
+            # backend compiles; this trace (`trace.trace`, Dynamo's capture called directly), the
+            # piece compiles and a warm start's loads hold it too: they share torch's
+            # process-global state (torch.fx's symbolic-trace patcher, Inductor's bundlers), and
+            # first calls of several models from several threads failed with "CURRENT_PATCHER is
+            # None", taking plain torch.compile calls in other threads down with them. The first
+            # run is outside it, as torch.compile's runs are: a splitting op may wait on another
+            # thread that compiles (a rank's collective, a worker pool).
+            with compile_lock, _collect_young_only():
+                start = self._build_first(args, kwargs)
+            fast = self._fast
+            try:
+                out = fast(self.module, *args, **kwargs)
+            except BaseException:
+                # a first run that raises (an input eager refuses too) does not keep its trace:
+                # the next call records its own signature and traces (or starts warm) for it
+                self._fast = None
+                raise
+            self._after_first_run(versions, copies, args, kwargs)
+            total = time.perf_counter() - t0
             if start is not None and start.fast is not None:
-                self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
-                self._record_state()
-                out = start.fast(self.module, *args, **kwargs)
-                self._after_first_run(versions, copies, args, kwargs)
-                total = time.perf_counter() - t0
                 self.timings = {"first_call": total, **self.backend.timings, "bundle_load": start.seconds, "dynamo": 0.0,
                                 **{f"bundle_{k}": v for k, v in start.phases.items()}}
                 log.info("[%s] warm start from the bundle, no trace: first call %.3fs (%s)", self.tag, total,
                          ", ".join(f"{k} {v:.3f}s" for k, v in start.phases.items()))
                 return out
-            self.backend = PiecewiseBackend(self.config, self.tag, call_signature=self._signature.describe(),
-                                            preloaded=start.preloaded if start is not None else None)
-            self.backend.prepare([*args, *kwargs.values()])
-            with _marked_dynamic(self._signature.dynamic_tensors(args, kwargs), unbacked=self.config.dynamic_shapes == "unbacked"):
-                cap = self._trace(args, kwargs)
-            counters.bump("dynamo_traces", tag=self.tag)
-            self._guards = cap.guard_manager
-            self._object_guards = cap.object_guards
-            fast = cap.function(self._forward_fn.__globals__)
-            self._fast = fast
-            self._record_state()
-            if start is not None:
-                start.save(self.backend, cap)
-            out = fast(self.module, *args, **kwargs)
-            self._after_first_run(versions, copies, args, kwargs)
-            total = time.perf_counter() - t0
             self.timings = {"first_call": total, **self.backend.timings}
             # the first call's wall time not spent in the backend's phases (trace, guards, first run);
             # a difference of clocks in one process, shown as measured (never clamped)
@@ -391,6 +378,34 @@ class CompiledModel:
             log.info("[%s] first call %.3fs (dynamo %.3fs, split %.3fs, compile %.3fs)", self.tag, total,
                      self.timings["dynamo"], self.timings.get("split", 0.0), self.timings.get("compile", 0.0))
             return out
+
+    def _build_first(self, args: tuple, kwargs: dict) -> WarmStart | None:
+        """The compiled forward for this signature (``self._fast``, with the backend and guards):
+        from a warm-start bundle when one matches, else a trace and piece compiles (saved as a
+        bundle). Returns the warm start it opened, if any."""
+        # Object arguments need the guard manager of a live trace (a bundle does not keep one).
+        start = None
+        if not (self._signature.objects or self._skip_bundle):
+            subject = StartSubject(self.config, self.tag, self.module, self._forward_fn,
+                                   tuple(self._signature.describe()), self.frame_locals)
+            start = WarmStart.open(subject, args, kwargs)
+        if start is not None and start.fast is not None:
+            self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
+            self._record_state()
+            return start
+        self.backend = PiecewiseBackend(self.config, self.tag, call_signature=self._signature.describe(),
+                                        preloaded=start.preloaded if start is not None else None)
+        self.backend.prepare([*args, *kwargs.values()])
+        with _marked_dynamic(self._signature.dynamic_tensors(args, kwargs), unbacked=self.config.dynamic_shapes == "unbacked"):
+            cap = self._trace(args, kwargs)
+        counters.bump("dynamo_traces", tag=self.tag)
+        self._guards = cap.guard_manager
+        self._object_guards = cap.object_guards
+        self._fast = cap.function(self._forward_fn.__globals__)
+        self._record_state()
+        if start is not None:
+            start.save(self.backend, cap)
+        return start
 
     def _after_first_run(self, versions: list[int], copies: list, args: tuple, kwargs: dict) -> None:
         """Which tensor arguments the first run wrote in place (`CallSignature.note_writes`), and
