@@ -448,3 +448,55 @@ def test_a_first_call_whose_run_raises_does_not_keep_its_trace():
         assert torch.allclose(compiled(x), model(x), rtol=1e-5, atol=1e-5)
         y = torch.randn(3, 16)
         assert torch.allclose(compiled(y), model(y), rtol=1e-5, atol=1e-5)
+
+
+def test_a_call_during_another_threads_first_run_waits_for_it():
+    """The compiled forward served other threads before its first run had succeeded: a float32 call
+    made while a float64 first call was running (then raising, as eager does) was refused
+    ("compiled for torch.float64"); it now waits and then makes its own first call."""
+    import threading
+    import time
+
+    running = threading.Event()
+
+    @pw.splitting_op("pw_test_compile::slow_copy", mutates_args=())
+    def slow_copy(x: torch.Tensor) -> torch.Tensor:
+        running.set()
+        time.sleep(0.5)
+        return x.clone()
+
+    @slow_copy.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.a(torch.ops.pw_test_compile.slow_copy(x))
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    compiled = pw.compile(model, _cfg(max_num_tokens=32, tag="first_run_window"), dynamic_arg_dims={"x": 0})
+    failed = []
+
+    def bad_first_call():
+        with torch.no_grad():
+            try:
+                compiled(torch.randn(4, 16).double())
+            except RuntimeError as e:
+                failed.append(str(e))
+
+    other = threading.Thread(target=bad_first_call)
+    other.start()
+    assert running.wait(60)
+    y = torch.randn(5, 16)
+    with torch.no_grad():
+        got = compiled(y)  # while the float64 first run is under way
+        want = model(y)
+    other.join()
+    assert failed and "dtype" in failed[0]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert counters.by_tag["first_run_window"].recompiles == 0

@@ -354,16 +354,13 @@ class CompiledModel:
             # run is outside it, as torch.compile's runs are: a splitting op may wait on another
             # thread that compiles (a rank's collective, a worker pool).
             with compile_lock, _collect_young_only():
-                start = self._build_first(args, kwargs)
-            fast = self._fast
-            try:
-                out = fast(self.module, *args, **kwargs)
-            except BaseException:
-                # a first run that raises (an input eager refuses too) does not keep its trace:
-                # the next call records its own signature and traces (or starts warm) for it
-                self._fast = None
-                raise
+                start, fast = self._build_first(args, kwargs)
+            # The compiled forward serves other calls only once its first run succeeded (they wait
+            # for this lock meanwhile): a first run that raises (an input eager refuses too) keeps
+            # nothing, and the next call records its own signature and traces (or starts warm).
+            out = fast(self.module, *args, **kwargs)
             self._after_first_run(versions, copies, args, kwargs)
+            self._fast = fast
             total = time.perf_counter() - t0
             if start is not None and start.fast is not None:
                 self.timings = {"first_call": total, **self.backend.timings, "bundle_load": start.seconds, "dynamo": 0.0,
@@ -379,10 +376,10 @@ class CompiledModel:
                      self.timings["dynamo"], self.timings.get("split", 0.0), self.timings.get("compile", 0.0))
             return out
 
-    def _build_first(self, args: tuple, kwargs: dict) -> WarmStart | None:
-        """The compiled forward for this signature (``self._fast``, with the backend and guards):
-        from a warm-start bundle when one matches, else a trace and piece compiles (saved as a
-        bundle). Returns the warm start it opened, if any."""
+    def _build_first(self, args: tuple, kwargs: dict) -> tuple[WarmStart | None, Callable[..., Any]]:
+        """The compiled forward for this signature (the backend and guards set on the model): from
+        a warm-start bundle when one matches, else a trace and piece compiles (saved as a bundle).
+        Returns the warm start it opened, if any, and the forward."""
         # Object arguments need the guard manager of a live trace (a bundle does not keep one).
         start = None
         if not (self._signature.objects or self._skip_bundle):
@@ -390,9 +387,9 @@ class CompiledModel:
                                    tuple(self._signature.describe()), self.frame_locals)
             start = WarmStart.open(subject, args, kwargs)
         if start is not None and start.fast is not None:
-            self.backend, self._guards, self._fast = start.backend, start.guards, start.fast
+            self.backend, self._guards = start.backend, start.guards
             self._record_state()
-            return start
+            return start, start.fast
         self.backend = PiecewiseBackend(self.config, self.tag, call_signature=self._signature.describe(),
                                         preloaded=start.preloaded if start is not None else None)
         self.backend.prepare([*args, *kwargs.values()])
@@ -401,11 +398,11 @@ class CompiledModel:
         counters.bump("dynamo_traces", tag=self.tag)
         self._guards = cap.guard_manager
         self._object_guards = cap.object_guards
-        self._fast = cap.function(self._forward_fn.__globals__)
+        fast = cap.function(self._forward_fn.__globals__)
         self._record_state()
         if start is not None:
             start.save(self.backend, cap)
-        return start
+        return start, fast
 
     def _after_first_run(self, versions: list[int], copies: list, args: tuple, kwargs: dict) -> None:
         """Which tensor arguments the first run wrote in place (`CallSignature.note_writes`), and
