@@ -477,8 +477,25 @@ def test_smollm2_chat_answer_streams_and_equals_eager_for_both_engines(session_d
         got = chat.answer(question, engine=engine, backend="eager", max_new_tokens=8, loaded=loaded, stream=pieces.append)
         assert got.tokens == reference.tokens, engine
         assert "".join(pieces) == got.text and got.first_token_s <= got.total_s
+        assert "trace(s)" in got.start or got.start.startswith("warm start"), got.start
+        again = chat.answer(question, engine=engine, backend="eager", max_new_tokens=8, loaded=loaded)
+        assert again.tokens == reference.tokens and again.start == "compiled earlier in this process", engine
+        assert again.start in again.summary()
+    assert reference.start == "eager, nothing compiled"
     assert loaded[0].config._attn_implementation == "sdpa", "the hf engine restores the model's attention"
     assert counters.recompiles == 0
+
+
+def test_chat_summary_says_what_the_first_token_included():
+    from piecewise.models.chat import describe_start
+
+    assert describe_start({"dynamo_traces": 1, "pieces_compiled": 31}, True) == "1 trace(s), 31 pieces compiled included"
+    assert describe_start({"dynamo_traces": 1, "pieces_compiled": 31, "cache_loads": 2}, True) == (
+        "1 trace(s), 31 pieces compiled, 2 artifacts loaded from the compile cache included")
+    assert describe_start({"bundle_hits": 1, "cache_loads": 3}, True) == (
+        "warm start from the compile cache, no trace, 3 artifacts loaded included")
+    assert describe_start({}, True) == "compiled earlier in this process"
+    assert describe_start({"dynamo_traces": 1}, False) == "eager, nothing compiled"
 
 
 def test_beam_search_reorders_the_piecewise_cache():

