@@ -130,8 +130,9 @@ def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.
     (the bundle records source hashes instead).
 
     Raises:
-        Exception: anything unpickling or rebuilding the guards raises (a bundle from another torch
-            build, a module that no longer imports); callers fall back to tracing.
+        GuardsNotBuilt: the guards cannot be built against this process's state.
+        Exception: anything unpickling raises (a bundle from another torch build, a module that no
+            longer imports); callers fall back to tracing.
     """
     from torch._dynamo.aot_compile import AOTCompileUnpickler
     from torch._dynamo.package import SerializedCode, load_guard_manager, load_guards_state
@@ -144,9 +145,30 @@ def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.
     if (original.co_code, original.co_consts, original.co_names, original.co_freevars) != (
             live.co_code, live.co_consts, live.co_names, live.co_freevars):
         raise ValueError(f"the bundle was traced from another {forward.__qualname__}")
-    guards = load_guard_manager(load_guards_state(state["guards_state"]), original, _runtime_scope(env, forward))
-    return Trace(env, state["backend_id"], compiled_fn, original, guards, state["guards_state"], [],
-                   global_values=state["global_values"])
+    trace = Trace(env, state["backend_id"], compiled_fn, original, None, state["guards_state"], [],
+                  global_values=state["global_values"])
+    try:
+        trace.guard_manager = load_guard_manager(load_guards_state(state["guards_state"]), original,
+                                                 _runtime_scope(env, forward))
+    except Exception as e:
+        raise GuardsNotBuilt(f"{type(e).__name__}: {e}", trace) from e
+    return trace
+
+
+class GuardsNotBuilt(Exception):
+    """A bundle's saved guards could not be rebuilt in this process: a guard reaches what this
+    process does not have. Dynamo builds a guard on a dict's item from the key's position
+    (``list(dict.keys(d))[3]``), so a registry filled in another order (transformers'
+    ``_CAN_RECORD_REGISTRY``, one key per model class built so far) raises IndexError there. The
+    bundle is intact and fits processes like the one that saved it: a miss, not damage.
+
+    Attributes:
+        trace: the rebuilt `Trace` without its guard manager, for `changed_globals`.
+    """
+
+    def __init__(self, why: str, trace: Trace) -> None:
+        super().__init__(why)
+        self.trace = trace
 
 
 def _runtime_scope(env: Any, forward: types.FunctionType) -> dict[str, Any]:

@@ -68,7 +68,7 @@ from .counters import counters
 from .errors import CompileError
 from .split import SplitResult
 from .state import autocast_state, storage_owner
-from .trace import Trace, Unrecordable, changed_globals, identity, rebuild
+from .trace import GuardsNotBuilt, Trace, Unrecordable, changed_globals, identity, rebuild
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fingerprint", "encode_bundle", "decode_bundle",
            "stale_sources"]
@@ -639,11 +639,17 @@ class WarmStart:
         moved = moved_modules(body["modules"])
         if moved:
             return f"module {moved[0]}", None, None
-        cap = rebuild(body["dynamo"], None, self.subject.forward_fn)
+        unbuilt = ""
+        try:
+            cap = rebuild(body["dynamo"], None, self.subject.forward_fn)
+        except GuardsNotBuilt as e:  # intact, made for processes unlike this one: a miss, nothing set aside
+            cap, unbuilt = e.trace, str(e)
         changed = changed_globals(cap, self.subject.forward_fn)
         lap("guards")
         if changed:
             return f"a global read by forward changed since the trace: {changed[0]}", None, None
+        if unbuilt:
+            return f"its guards cannot be built in this process ({unbuilt})", None, None
         f_locals = self.subject.frame_locals(args, kwargs)
         if not cap.guard_manager.check(f_locals):
             failed = cap.guard_manager.check_verbose(f_locals).verbose_code_parts

@@ -412,3 +412,54 @@ def test_hook_handle_ids_that_differ_between_processes_do_not_miss_the_bundle(tm
         reports.append(json.loads(p.stdout.strip().splitlines()[-1]))
     assert all(r["equal"] for r in reports)
     assert [r["counters"].get("bundle_hits", 0) for r in reports] == [0, 1, 1]
+
+
+REGISTRY_ORDER = '''
+import json, sys, torch, transformers
+import piecewise as pw
+from piecewise.models import hf
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+# as if this process had built other transformers models first: their classes precede Llama's
+for i in range(int(sys.argv[1])):
+    dict.__setitem__(_CAN_RECORD_REGISTRY, f"<class 'other.Model{i}'>", {})
+hf.register_hf_attention()
+models = []
+for attn in ("piecewise", "sdpa"):
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, eos_token_id=None)
+    torch.manual_seed(0)
+    models.append(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval())
+ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3)
+compiled = pw.compile(models[0], pw.CompilationConfig(backend="eager", max_model_len=64, max_num_seqs=2))
+got = compiled.generate(ids, **kw)
+with torch.no_grad():
+    equal = bool(torch.equal(got, models[1].generate(ids, **kw)))
+print(json.dumps({"equal": equal, "counters": {k: v for k, v in pw.counters.snapshot().items() if v}}))
+'''
+
+
+def test_a_bundle_traced_after_other_model_classes_is_a_miss_in_a_process_without_them(tmp_path):
+    """transformers registers each model class a process builds in ``_CAN_RECORD_REGISTRY`` (a dict,
+    in build order), and Dynamo guards the key order of this model's item through the item's key
+    position. A process that built fewer classes cannot even build that guard (IndexError): it used
+    to set the other kind of process's intact bundle aside as damaged (a cache warning and
+    cache_errors on every start, each kind undoing the other). Now that is a miss: each registry
+    order keeps its own bundle and starts warm."""
+    path = tmp_path / "registry_order.py"
+    path.write_text(REGISTRY_ORDER)
+    env = {**os.environ, "PIECEWISE_CACHE_DIR": str(tmp_path / "c")}
+
+    def run(others: int) -> dict:
+        p = subprocess.run([sys.executable, str(path), str(others)], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "warm-start bundle does not load" not in p.stderr, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    reports = [run(n) for n in (3, 0, 0, 3)]
+    assert all(r["equal"] for r in reports)
+    got = [(r["counters"].get("dynamo_traces", 0), r["counters"].get("bundle_hits", 0),
+            r["counters"].get("cache_errors", 0)) for r in reports]
+    assert got == [(1, 0, 0), (1, 0, 0), (0, 1, 0), (0, 1, 0)], got
+    assert len(_bundles(str(tmp_path / "c"))) == 2
