@@ -905,3 +905,58 @@ def test_a_generation_nested_in_another_on_the_same_model_is_refused():
     # the route is free again afterwards, and right
     with torch.no_grad():
         assert torch.equal(compiled.generate(ids, **kw), _eager("llama", ids, mask, max_new_tokens=4))
+
+
+def test_config_edits_after_the_first_generate_are_followed_or_refused():
+    """The trace read the model's config. Lowered after the first generate(), ``num_hidden_layers``
+    used to keep serving every layer (stale tokens, no recompile); a sliding window set later was
+    served as full attention. Now a changed config traces the steps again (counted, logged), or is
+    refused as at compile when the cache cannot serve it; put back, it is served again."""
+    ids, mask = _prompts([6, 4])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=4)
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config())
+    assert torch.equal(compiled.generate(ids, **kw), _eager("llama", ids, mask, max_new_tokens=4))
+    reference = _build("llama", "sdpa")
+    for m in (model, reference):
+        m.config.num_hidden_layers = 1
+    with torch.no_grad():
+        expected = reference.generate(ids, **kw)
+    with counters.expect(recompiles=1, state_changes=1):
+        assert torch.equal(compiled.generate(ids, **kw), expected)
+        with _forward_assigned(model, compiled):
+            assert torch.equal(model.generate(ids, **kw), expected)
+    model.config.sliding_window = 3
+    with pytest.raises(pw.ConfigError, match=r"config changed after the first call \(config.sliding_window '<absent>' -> 3\)"
+                                             r".*sliding window of 3 positions"):
+        compiled.generate(ids, **kw)
+    del model.config.sliding_window
+    with counters.expect(recompiles=0):
+        assert torch.equal(compiled.generate(ids, **kw), expected)
+
+
+def test_a_layer_attending_twice_after_a_retrace_is_refused_and_a_deleted_layer_is_served():
+    """A state change traces the step again inside the same compiled object; its layers are checked
+    to reach the cache once each again (the check used to be remembered per compiled object, so a
+    hook calling attention a second time was served with other tokens), against the layers the
+    step runs now (a layer deleted from the list is still served)."""
+    ids, mask = _prompts([6, 4])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=4)
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config())
+    assert torch.equal(compiled.generate(ids, **kw), _eager("llama", ids, mask, max_new_tokens=4))
+
+    def twice(module, args, kwargs, out):
+        module.forward(*args, **kwargs)  # a second attention call: writes the layer's cache again
+        return out
+
+    handle = model.model.layers[1].self_attn.register_forward_hook(twice, with_kwargs=True)
+    with pytest.raises(pw.ConfigError, match="2 attention layers, but its step reached piecewise's generation KV cache 3 times"):
+        compiled.generate(ids, **kw)
+    handle.remove()
+    reference = _build("llama", "sdpa")
+    for m in (model, reference):
+        del m.model.layers[1]
+    with torch.no_grad():
+        expected = reference.generate(ids, **kw)
+    assert torch.equal(compiled.generate(ids, **kw), expected)

@@ -387,8 +387,14 @@ class GenerationRoute:
         self._past = 0
         #: the batch of the call that started the cache object now continued (rows are slots)
         self._past_batch = 0
-        #: ids of the compiled steps whose layers were checked to reach the cache
-        self._verified: set[int] = set()
+        #: per compiled step (by id), the trace whose layers were checked to reach the cache: a step
+        #: that traced again after a state change is checked again
+        self._verified: dict[int, Any] = {}
+        #: the model config's plain public values when the steps were traced (`config_values`);
+        #: compared at every sequence's first step, a change is followed (`_follow_config`)
+        self._config_values: dict[str, Any] | None = None
+        #: path of the decoder's layer list (the ModuleList of `num_hidden_layers` modules), if found
+        self._layers_path = _layer_list_path(model)
         #: cache objects of generations this route served (a served one coming back after another
         #: generation started is an interleaved or nested generate(): its rows were overwritten)
         self._served: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -487,6 +493,8 @@ class GenerationRoute:
         past = self._past_for(cache)
         if past == 0:  # a sequence's first step (its prompt): what `check_generate` checks for generate(), for
             self._check_vocabulary(input_ids)  # model.forward = compiled and hand-written loops (one read a sequence)
+            if self._config_values is not None and self.compiled:
+                self._follow_config()
         if continuing and past > 0 and new > 1:
             # generate() feeds one token a row after the prompt; more tokens on a cache object this
             # route already filled means transformers re-feeds or verifies tokens (past_key_values
@@ -591,9 +599,12 @@ class GenerationRoute:
             _step_attention.reset(step_token)
             if assigned is not None:
                 self.model.__dict__["forward"] = assigned
-        if id(compiled) not in self._verified:
+        result = getattr(getattr(compiled, "backend", None), "result", None)
+        if self._verified.get(id(compiled)) is not result:
             self._check_layers_reach_cache(compiled)
-            self._verified.add(id(compiled))
+            self._verified[id(compiled)] = result
+            if self._config_values is None:
+                self._config_values = config_values(self.model.config)
         self._past = total if cache is not None else 0
         if past == 0:
             self._past_batch = batch
@@ -735,13 +746,50 @@ class GenerationRoute:
         op = torch.ops.piecewise_models.hf_cached_attention.default
         reached = sum(1 for item in result.split.items for n in item.graph.graph.nodes
                       if n.op == "call_function" and n.target is op)
-        layers = self.step.num_layers
+        layers = self._layers_run()
         if reached != layers:
             raise ConfigError(f"[{self.tag}] {type(self.model).__name__} has {layers} attention layers, but its step reached "
                               f"piecewise's generation KV cache {reached} times, where it holds one attention call a layer "
                               "(its decoder layers do not pass attention keyword arguments through, its attention does not "
                               "use transformers' attention interface, or it attends twice a layer); generate with the "
                               "model itself, uncompiled (attn_implementation='sdpa')")
+
+    def _layers_run(self) -> int:
+        """Decoder layers a step runs now: the cache's layers, fewer when the config's count was
+        lowered or layers were deleted from the layer list after the first call (transformers runs
+        ``layers[:config.num_hidden_layers]``)."""
+        layers = min(self.step.num_layers, getattr(self.model.config, "num_hidden_layers", self.step.num_layers))
+        if self._layers_path is not None:
+            try:
+                layers = min(layers, len(self.model.get_submodule(self._layers_path)))
+            except (AttributeError, TypeError):  # the list was removed or replaced by a non-list
+                pass
+        return layers
+
+    def _follow_config(self) -> None:
+        """The model config's plain values changed since the steps were traced (``num_hidden_layers``
+        lowered, a sliding window set, any field the trace may have read): what is still supported
+        is traced again (every compiled step drops its trace, logged and counted in `recompiles` and
+        `state_changes`); what is not is refused as at compile.
+
+        Raises:
+            ConfigError: the config now asks for attention the piecewise cache does not implement
+                (`check_attention_supported`).
+        """
+        now = config_values(self.model.config)
+        changed = [k for k in sorted(set(now) | set(self._config_values)) if now.get(k, _ABSENT) != self._config_values.get(k, _ABSENT)]
+        if not changed:
+            return
+        what = "; ".join(f"config.{k} {self._config_values.get(k, _ABSENT)!r} -> {now.get(k, _ABSENT)!r}" for k in changed[:4])
+        try:
+            check_attention_supported(self.model, self.max_model_len)
+        except ConfigError as e:
+            raise ConfigError(f"[{self.tag}] the model's config changed after the first call ({what}): {e}") from None
+        for compiled in [*self.compiled.values(), *(s for steps in self._more_steps.values() for s in steps)]:
+            with compiled._lock:
+                compiled._follow(what)
+        self._verified.clear()
+        self._config_values = now
 
     def _was_served(self, cache: Any) -> bool:
         try:
@@ -878,12 +926,55 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
                           "do not call transformers' attention interface (transformers' _can_set_attn_implementation() is "
                           "False), so its layers would never reach the KV cache piecewise owns. Generate with the model "
                           "itself, uncompiled, built with attn_implementation='sdpa'")
+    route = GenerationRoute(module, config, tag)
+    check_attention_supported(module, route.max_model_len)
+    _create_longrope_frequencies(module)
+    return route
+
+
+#: a config field absent on one side of a comparison (`GenerationRoute._follow_config`)
+_ABSENT = "<absent>"
+
+
+def config_values(cfg: Any) -> dict[str, Any]:
+    """The plain public values of a transformers config (numbers, strings, flags, None, and lists,
+    tuples and dicts of them), copied: what a generation step's trace may have read from it."""
+    import copy
+
+    def plain(v: Any) -> bool:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return True
+        if isinstance(v, (list, tuple)):
+            return all(map(plain, v))
+        if isinstance(v, dict):
+            return all(isinstance(k, str) and plain(x) for k, x in v.items())
+        return False
+
+    return {k: copy.deepcopy(v) for k, v in vars(cfg).items() if not k.startswith("_") and plain(v)}
+
+
+def _layer_list_path(model: torch.nn.Module) -> str | None:
+    """The name of the model's decoder layer list: the `torch.nn.ModuleList` holding
+    ``config.num_hidden_layers`` modules (``model.layers``, ``transformer.h``), or None."""
+    n = getattr(model.config, "num_hidden_layers", None)
+    return next((name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n), None)
+
+
+def check_attention_supported(module: torch.nn.Module, max_len: int) -> None:
+    """Refuse attention the piecewise generation KV cache does not implement, from the model's
+    config and rotary modules: sliding windows shorter than `max_len` positions, layer types other
+    than full and sliding attention, dynamic NTK rotary scaling. Run at compile and again when the
+    config changes after it (`GenerationRoute._follow_config`).
+
+    Raises:
+        ConfigError: naming what is not supported and the remedy.
+    """
+    cfg = module.config
     # Sliding windows: per layer in `layer_types` (Gemma2/3, Qwen2 with max_window_layers), or one
     # window for every layer in `sliding_window` without layer types (Mistral, Phi3). A window
     # that covers every position the cache can hold is full attention.
     layer_types = set(getattr(cfg, "layer_types", None) or ())
-    route = GenerationRoute(module, config, tag)
-    window, max_len = getattr(cfg, "sliding_window", None), route.max_model_len
+    window = getattr(cfg, "sliding_window", None)
     if layer_types:
         sliding = "sliding_attention" in layer_types
         other = sorted(layer_types - {"full_attention", "sliding_attention"})
@@ -908,8 +999,6 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
                           "branch piecewise cannot trace once for all lengths; generate with the model itself, uncompiled "
                           "(attn_implementation='sdpa'), "
                           "or use a fixed rope_type ('linear', 'llama3', 'yarn')")
-    _create_longrope_frequencies(module)
-    return route
 
 
 def _create_longrope_frequencies(module: torch.nn.Module) -> None:
