@@ -417,6 +417,25 @@ def test_forward_hook_added_to_a_submodule_after_compile_is_followed():
             torch.testing.assert_close(cm(ids), model(ids))
 
 
+def test_a_hook_removed_after_compile_is_followed():
+    """Removing a hook moves no torch hook (the compiled code used to keep running it): the handle's
+    remove moves the state epoch, whether called or left by ``with handle:``."""
+    model = Embedder().eval()
+    cm = _compile(model)
+    ids = torch.randint(0, 100, (5,))
+    with torch.no_grad():
+        expected = model(ids)
+    torch.testing.assert_close(cm(ids), expected)
+    for remove in (lambda h: h.remove(), lambda h: h.__exit__(None, None, None)):
+        handle = model.lin.register_forward_hook(lambda mod, inp, out: out * 0.5)
+        with torch.no_grad():
+            torch.testing.assert_close(cm(ids), model(ids))
+            assert not torch.allclose(model(ids), expected)
+        remove(handle)
+        with counters.expect(state_changes=1, recompiles=1):
+            torch.testing.assert_close(cm(ids), expected)
+
+
 # -- found by trying to break the rule ---------------------------------------------------------
 
 

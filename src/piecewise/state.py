@@ -22,7 +22,9 @@ again (`describe`, O(parameters)) and compare the description with the one taken
   ``register_forward_pre_hook``) or for every module (``register_module_forward_hook``,
   ``register_module_forward_pre_hook``): the trace inlined the hooks present at the time;
 * ``register_parameter`` (``m.lin.bias = None`` registers a None parameter without torch's hook)
-  and ``del m.attr``.
+  and ``del m.attr``;
+* removing a hook (``RemovableHandle.remove``, also behind ``with handle:``), which unregisters it
+  from its module's dict without any torch hook: the compiled code kept running it.
 
 Those without a hook in torch get a thin wrapper, installed on ``nn.Module`` (and the two global
 registration functions) once, when the first model is compiled (`install`). Dynamo special-cases
@@ -82,6 +84,10 @@ def install() -> None:
             if not getattr(original, "__piecewise_bumps__", False):
                 setattr(torch.nn.Module, name, _bumping(original))
         import torch.nn.modules as nn_modules
+        from torch.utils.hooks import RemovableHandle
+
+        if not getattr(RemovableHandle.remove, "__piecewise_bumps__", False):
+            RemovableHandle.remove = _bumping(RemovableHandle.remove)
 
         for name in ("register_module_forward_hook", "register_module_forward_pre_hook"):
             original = getattr(nn_module, name)
