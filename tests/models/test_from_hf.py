@@ -376,3 +376,100 @@ def test_the_decode_loop_takes_the_models_own_slots_when_given_no_config():
         greedy_decode(compiled, prompts, 4, max_num_seqs=3)
     with pytest.raises(InputError, match="outside the vocabulary"):
         greedy_decode(compiled, [[VOCAB]], 4)
+
+
+def test_the_decode_loop_finds_the_models_slots_and_budget_through_a_compiled_backbone():
+    """A compiled backbone holds the decoder as ``.module.decoder``: its slots, positions and
+    vocabulary bound the loop as the model's do (it defaulted to 8 slots and failed mid-run with a
+    raw IndexError), and the CompilationConfig's max_num_tokens is the loop's step budget (a
+    larger step was refused after the trace and earlier steps)."""
+    hf = tiny_hf("qwen2", seed=4)
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=2, max_seq_len=48)
+    compiled = pw.compile(model.backbone(), CompilationConfig(backend="eager", max_num_tokens=16), dynamic_arg_dims=DIMS)
+    with _no_compile_work():
+        with pytest.raises(InputError, match=r"request 0 needs 49 positions .* \(LlamaConfig.max_seq_len"):
+            greedy_decode(compiled, [[1] * 40], 10, compute_logits=model.compute_logits)
+        with pytest.raises(InputError, match="max_num_seqs=3 exceeds the model's 2 sequence slots"):
+            greedy_decode(compiled, [[1, 2]], 4, max_num_seqs=3, compute_logits=model.compute_logits)
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 40)), [3, 4]]  # 3 requests queue for 2 slots; a 30-token prefill
+    run = greedy_decode(compiled, prompts, 4, arrival_steps=[0, 3, 3], compute_logits=model.compute_logits)
+    assert max(run.step_sizes) <= 16
+    assert run.tokens == [hf_greedy(hf, p, 4) for p in prompts]
+
+
+@pytest.mark.parametrize("bad", [dict(max_num_seqs=0), dict(max_num_seqs=-1), dict(arrival_steps=[0, float("nan")]),
+                                 dict(arrival_steps=[0, 1.5]), dict(max_new_tokens=4.0), dict(max_new_tokens=[4, 0])])
+def test_loop_arguments_that_could_never_progress_are_refused(bad):
+    """``max_num_seqs=0`` and a NaN arrival step used to loop forever on empty steps."""
+    model = LlamaForCausalLM.from_hf(tiny_hf("llama-gqa"), max_num_seqs=2, max_seq_len=32)
+    kw = {"max_new_tokens": 4, **bad}
+    with pytest.raises(InputError, match=f"{next(iter(bad))}="):
+        greedy_decode(model, [[1, 2], [3]], **kw)
+
+
+def test_integer_like_max_new_tokens_are_taken():
+    import numpy as np
+
+    hf = tiny_hf("llama-gqa")
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=2, max_seq_len=32)
+    want = [hf_greedy(hf, [1, 2], 3), hf_greedy(hf, [3], 2)]
+    assert greedy_decode(model, [[1, 2], [3]], [np.int64(3), torch.tensor(2)]).tokens == want
+    assert greedy_decode(model, [[1, 2]], np.int64(3)).tokens == want[:1]
+
+
+def test_two_loops_on_one_models_cache_at_once_are_refused():
+    """Two loops on one model would hand out the same KV-cache slots (silently other tokens): the
+    second is refused while the first runs, and the model is free again afterwards."""
+    hf = tiny_hf("llama-gqa")
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=2, max_seq_len=32)
+    compiled = pw.compile(model.backbone(), CompilationConfig(backend="eager", max_num_tokens=32), dynamic_arg_dims=DIMS)
+    errors = []
+
+    def forward(*args):
+        if not errors:  # a second loop on the same model, from inside the first's step
+            with pytest.raises(InputError, match="while another greedy_decode on it runs"):
+                greedy_decode(compiled, [[9]], 2, compute_logits=model.compute_logits)
+            errors.append(1)
+        return compiled(*args)
+
+    forward.decoder = model  # what the loop finds the cache's owner by
+    got = greedy_decode(forward, [[1, 2]], 3, compute_logits=model.compute_logits).tokens
+    assert errors and got == [hf_greedy(hf, [1, 2], 3)]
+    assert greedy_decode(compiled, [[1, 2]], 3, compute_logits=model.compute_logits).tokens == got
+
+
+def test_an_activation_swapped_behind_the_config_is_refused():
+    """transformers binds each MLP's activation at construction: a config whose hidden_act was
+    edited to 'silu' afterwards still runs GELU (from_hf used to read the config and decode other
+    tokens)."""
+    config = transformers.LlamaConfig(**{**_TINY, "hidden_act": "gelu"})
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    hf.config.hidden_act = "silu"
+    with _no_compile_work(), pytest.raises(ConfigError, match="MLPs apply GELUActivation, not SiLU"):
+        LlamaForCausalLM.from_hf(hf)
+
+
+@pytest.mark.parametrize("fields, match", [(dict(penalty_alpha=0.6, top_k=4), "contrastive_search"),
+                                           (dict(dola_layers="low"), "dola_generation"),
+                                           (dict(force_words_ids=[[5]]), "constrained_beam_search"),
+                                           (dict(stop_strings=["a"]), "stop_strings"),
+                                           (dict(max_time=1.0), "max_time")])
+def test_a_generation_config_that_is_not_plain_greedy_search_is_refused(fields, match):
+    """Fields that make greedy generate() search otherwise, or stop on text or time, were accepted
+    and decoded as plain greedy search. A generation config asking to sample is fine: the engine's
+    contract is generate(do_sample=False)."""
+    hf = tiny_hf("llama-gqa")
+    hf.generation_config.do_sample, hf.generation_config.temperature = True, 0.7
+    assert LlamaForCausalLM.from_hf(hf).config.num_layers == 2
+    for k, v in fields.items():
+        setattr(hf.generation_config, k, v)
+    with _no_compile_work(), pytest.raises(ConfigError, match=match):
+        LlamaForCausalLM.from_hf(hf)
+
+
+@pytest.mark.parametrize("max_seq_len", [None, "64", 0, True])
+def test_a_bad_max_seq_len_is_a_typed_error_for_windowed_models_too(max_seq_len):
+    config = transformers.MistralConfig(**{**_TINY, "sliding_window": 4096})
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with pytest.raises(ConfigError, match=f"max_seq_len={max_seq_len!r} must be a positive integer"):
+        LlamaForCausalLM.from_hf(hf, max_seq_len=max_seq_len)

@@ -12,12 +12,15 @@ prompt alone (the end-of-sequence token included, as `generate` returns it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import random
+import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -140,11 +143,7 @@ def greedy_decode(
             `arrival_steps` or `max_new_tokens`, more slots than the model has, or a request too
             long for `max_seq_len` (naming the request, the limit and the config field).
     """
-    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(limits) != len(prompts):
-        raise InputError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts; give one per prompt")
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in limits):
-        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    limits = _counts("max_new_tokens", max_new_tokens, len(prompts), low=1)
     if any(len(p) == 0 for p in prompts):
         raise InputError("every prompt needs at least one token; drop empty prompts")
     for i, p in enumerate(prompts):
@@ -154,17 +153,15 @@ def greedy_decode(
             except TypeError:
                 raise InputError(f"prompt {i} holds {t!r} ({type(t).__name__}); token ids are integers, as the "
                                  "model's tokenizer returns them") from None
-    arrivals = list(arrival_steps) if arrival_steps is not None else [2 * i for i in range(len(prompts))]
-    if len(arrivals) != len(prompts):
-        raise InputError(f"arrival_steps has {len(arrivals)} entries for {len(prompts)} prompts; give one per prompt")
+    arrivals = (_counts("arrival_steps", list(arrival_steps), len(prompts), low=None) if arrival_steps is not None
+                else [2 * i for i in range(len(prompts))])
     where = "the max_seq_len argument"
+    owner = _cache_owner(forward)
     if config is None:  # the model itself: its slots bound the loop's (a model with fewer slots failed mid-run)
-        # a pw.compile'd model holds its CompilationConfig as .config and the model as .module
-        for holder in (forward, getattr(forward, "module", None)):
-            own = getattr(holder, "config", None)
-            if all(isinstance(getattr(own, f, None), int) for f in ("max_num_seqs", "max_seq_len")):
-                config = own
-                break
+        config = getattr(owner, "config", None)
+    if max_num_tokens is None:  # a pw.compile'd forward: its CompilationConfig's budget (a larger step failed mid-run)
+        budget = getattr(getattr(forward, "config", None), "max_num_tokens", None)
+        max_num_tokens = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
     if config is not None:
         name = type(config).__name__
         vocab = getattr(config, "vocab_size", None)
@@ -179,6 +176,8 @@ def greedy_decode(
         if max_seq_len is None or max_seq_len >= config.max_seq_len:
             max_seq_len, where = config.max_seq_len, f"{name}.max_seq_len, the KV cache's positions per sequence"
     max_num_seqs = max_num_seqs if max_num_seqs is not None else config.max_num_seqs if config is not None else 8
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise InputError(f"max_num_seqs={max_num_seqs!r} must be a positive integer (sequence slots)")
     if max_seq_len is not None:
         # The last generated token is never fed back, so a request needs len(prompt) + max_new_tokens - 1 positions.
         for i, (p, n) in enumerate(zip(prompts, limits)):
@@ -192,8 +191,88 @@ def greedy_decode(
         raise InputError(f"max_num_tokens={max_num_tokens!r} must be a positive integer")
     eos = frozenset(int(t) for t in eos_token_ids)
 
-    if reset is not None:
-        reset()
+    with _running(owner):
+        if reset is not None:
+            reset()
+        return _serve(forward, prompts, limits, arrivals, max_num_seqs, device, eos, max_num_tokens, compute_logits)
+
+
+def _counts(name: str, value: Any, n: int, low: int | None) -> list[int]:
+    """`value` (one integer, or one a prompt) as `n` Python ints, each >= `low` when given;
+    numpy and 0-d tensor integers are taken (`operator.index`), floats and NaN are not."""
+    try:
+        values = [operator.index(value)] * n if not isinstance(value, bool) else [value] * n
+    except TypeError:  # a sequence (a list, a tuple, a 1-D array or tensor)
+        try:
+            values = list(value)
+        except TypeError:
+            raise InputError(f"{name}={value!r} ({type(value).__name__}) must be an integer or one a prompt") from None
+    if len(values) != n:
+        raise InputError(f"{name} has {len(values)} entries for {n} prompts; give one per prompt")
+    out = []
+    for v in values:
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            v = operator.index(v)
+        except TypeError:
+            raise InputError(f"{name}={value!r} holds {v!r} ({type(v).__name__}); give integers") from None
+        if low is not None and v < low:
+            raise InputError(f"{name}={value!r} must be >= {low}")
+        out.append(v)
+    return out
+
+
+def _cache_owner(forward: Any) -> Any:
+    """The model whose KV cache `forward` writes, found through a pw.compile'd model (``.module``)
+    and a backbone (``.decoder``): the module that has a config with ``max_num_seqs`` and
+    ``max_seq_len`` (`LlamaForCausalLM`), else None."""
+    seen, todo = set(), [forward]
+    while todo:
+        holder = todo.pop(0)
+        if holder is None or id(holder) in seen:
+            continue
+        seen.add(id(holder))
+        own = getattr(holder, "config", None)
+        if all(isinstance(getattr(own, f, None), int) for f in ("max_num_seqs", "max_seq_len")):
+            return holder
+        todo += [getattr(holder, "module", None), getattr(holder, "decoder", None)]
+    return None
+
+
+#: models a `greedy_decode` run is using: two runs at once would hand out the same cache slots
+_busy: weakref.WeakSet[Any] = weakref.WeakSet()
+_busy_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _running(owner: Any) -> Iterator[None]:
+    """Hold `owner`'s KV cache for one run.
+
+    Raises:
+        InputError: another `greedy_decode` run (another thread, or a forward that starts one) is
+            using it: both would write the same slots.
+    """
+    if owner is None:
+        yield
+        return
+    with _busy_lock:
+        if owner in _busy:
+            raise InputError(f"greedy_decode on {type(owner).__name__} while another greedy_decode on it runs (another "
+                             "thread, or nested in its forward): both would write the same KV-cache slots. Serve "
+                             "every request from one loop (they batch), or give each loop a model of its own")
+        _busy.add(owner)
+    try:
+        yield
+    finally:
+        with _busy_lock:
+            _busy.discard(owner)
+
+
+def _serve(forward: Forward, prompts: Sequence[Sequence[int]], limits: list[int], arrivals: list[int],
+           max_num_seqs: int, device: torch.device | str, eos: frozenset[int], max_num_tokens: int | None,
+           compute_logits: Callable[[torch.Tensor], torch.Tensor] | None) -> DecodeResult:
+    """The loop of `greedy_decode`, its arguments checked."""
     waiting = deque(sorted(range(len(prompts)), key=lambda i: (arrivals[i], i)))
     free_slots = list(range(max_num_seqs))
     running: list[_Request] = []

@@ -750,9 +750,20 @@ _GREEDY_PROCESSOR_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 
 
+def _hf_silu_class() -> type:
+    """transformers' SiLU activation class (what ``ACT2FN["silu"]`` builds), or `nn.SiLU`."""
+    try:
+        from transformers.activations import SiLUActivation
+
+        return SiLUActivation
+    except ImportError:
+        return nn.SiLU
+
+
 def _check_generation_config(hf_model: nn.Module) -> None:
     """ConfigError when the model's generation config makes greedy ``generate()`` process its
-    logits (`_GREEDY_PROCESSOR_FIELDS`): the decode loop's tokens would silently differ."""
+    logits (`_GREEDY_PROCESSOR_FIELDS`), pick another decoding mode than greedy search, or stop on
+    text or time (`_STOPPING_FIELDS`): the decode loop's tokens would silently differ."""
     gen = getattr(hf_model, "generation_config", None)
     if gen is None:
         return
@@ -764,6 +775,32 @@ def _check_generation_config(hf_model: nn.Module) -> None:
             "generate() applies to the logits before its argmax (num_beams: it searches beams instead); the decode loop takes the plain argmax, so its tokens "
             "would differ. Generate with pw.compile(model).generate(...), which runs transformers' own loop, or reset "
             "the field(s) on hf_model.generation_config before from_hf to decode without them")
+    # the decoding algorithm greedy generate() picks from the rest (contrastive search from
+    # penalty_alpha, DoLa from dola_layers, constrained beam search from force_words_ids, ...)
+    import copy
+
+    greedy = copy.deepcopy(gen)
+    greedy.do_sample = False
+    try:
+        mode = greedy.get_generation_mode()
+    except Exception as e:  # transformers refuses the combination itself
+        mode = f"none ({type(e).__name__}: {e})"
+    if str(getattr(mode, "value", mode)) != "greedy_search":
+        raise ConfigError(
+            f"from_hf: with do_sample=False, {type(hf_model).__name__}.generation_config selects the decoding mode "
+            f"{getattr(mode, 'value', mode)!r} (transformers' GenerationConfig.get_generation_mode()), not greedy "
+            "search; the decode loop is greedy, so its tokens would differ. Reset the fields that select it "
+            "(penalty_alpha, dola_layers, force_words_ids, constraints, num_beam_groups) before from_hf")
+    stops = [f"{name}={getattr(gen, name)!r}" for name in _STOPPING_FIELDS if getattr(gen, name, None) is not None]
+    if stops:
+        raise ConfigError(
+            f"from_hf: {type(hf_model).__name__}.generation_config sets {', '.join(stops)}, which stops transformers' "
+            "generate() where the decode loop would not (it stops at eos_token_ids and max_new_tokens); reset the "
+            "field(s) before from_hf, or generate with pw.compile(model).generate(...)")
+
+
+#: generation-config fields that stop transformers' greedy ``generate()`` on text or wall time
+_STOPPING_FIELDS = ("stop_strings", "max_time")
 
 
 def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
@@ -788,6 +825,16 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"from_hf: {cls_name} uses hidden_act={act!r}; the reference decoder's MLP is SwiGLU (silu)")
+    # what each MLP calls: bound at construction, so a config edited afterwards does not change it
+    acts = sorted({type(getattr(layer.mlp, "act_fn", None)).__name__ for layer in layers
+                   if not isinstance(getattr(layer.mlp, "act_fn", None), (nn.SiLU, _hf_silu_class()))})
+    if acts:
+        raise ConfigError(f"from_hf: {cls_name}'s MLPs apply {', '.join(acts)}, not SiLU (its config says "
+                          f"hidden_act={act!r}, edited after the model was built); the reference decoder's MLP is "
+                          "SwiGLU (silu)")
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ConfigError(f"from_hf: max_seq_len={max_seq_len!r} must be a positive integer (the KV cache's positions "
+                          "per sequence)")
 
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope = dict(rope)
