@@ -500,3 +500,19 @@ def test_a_call_during_another_threads_first_run_waits_for_it():
     assert failed and "dtype" in failed[0]
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert counters.by_tag["first_run_window"].recompiles == 0
+
+
+class _FailsOnItsSizes(torch.nn.Module):
+    def forward(self, x):
+        h = torch.ops.piecewise_models.toy_attention(x, x, x)
+        return h @ torch.ones(3, 2)  # x is [n, 4]: the product fails, on fake tensors too
+
+
+def test_an_op_failing_during_the_trace_is_a_typed_compile_error():
+    """An op that fails on the trace's fake tensors (a shape mismatch, or what only fails at the
+    trace's symbolic sizes) raised Dynamo's TorchRuntimeError, not a piecewise error."""
+    import piecewise.models.toy  # noqa: F401  registers toy_attention
+
+    cm = pw.compile(_FailsOnItsSizes(), _cfg(), dynamic_arg_dims={"x": 0})
+    with pytest.raises(pw.CompileError, match=r"tracing _FailsOnItsSizes.forward failed on symbolic sizes .*matmul.*same reduction dim"):
+        cm(torch.randn(5, 4))

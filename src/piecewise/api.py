@@ -447,6 +447,15 @@ class CompiledModel:
                 f"[{self.tag}] {type(self.module).__name__}.forward cannot be captured as one graph: "
                 f"{str(e).splitlines()[0]}. Make the code traceable or register the op as a splitting op"
             ) from e
+        except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on the trace's fake tensors
+            own = _own_error_raised_in_trace(e)
+            if own is not None:
+                raise own from e
+            raise CompileError(
+                f"[{self.tag}] tracing {type(self.module).__name__}.forward failed on symbolic sizes "
+                f"({self.config.dynamic_shapes} dynamic shapes): {_fake_failure(e)}. Eager may run at these sizes; "
+                "a first call at other sizes, or dynamic_shapes='backed', may trace"
+            ) from e
 
     def __repr__(self) -> str:
         return f"CompiledModel({type(self.module).__name__}, tag={self.tag!r}, mode={self.config.mode!r}, backend={self.config.backend!r})"
@@ -481,6 +490,15 @@ def _own_error_raised_in_trace(e: BaseException) -> PiecewiseError | None:
             return cls(*args)
         x, seen = x.__cause__ or x.__context__, seen + 1
     return None
+
+
+def _fake_failure(e: BaseException) -> str:
+    """What failed on the trace's fake tensors: Dynamo's "Explanation:" line (the op and its own
+    error), else the error's first line."""
+    for line in str(e).splitlines():
+        if line.strip().startswith("Explanation:"):
+            return line.strip()[len("Explanation:"):].strip()
+    return _caused_by(e)
 
 
 def _caused_by(e: BaseException) -> str:

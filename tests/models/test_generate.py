@@ -960,3 +960,92 @@ def test_a_layer_attending_twice_after_a_retrace_is_refused_and_a_deleted_layer_
     with torch.no_grad():
         expected = reference.generate(ids, **kw)
     assert torch.equal(compiled.generate(ids, **kw), expected)
+
+
+def test_a_cache_object_reset_and_reused_across_generate_calls_starts_a_new_sequence():
+    """transformers documents reusing a StaticCache across generate() calls with ``cache.reset()``
+    between them. The route told generations apart by the cache object only, so a 1-token prompt
+    on the reset cache was taken as the next decode step of the last generation (other tokens),
+    and a longer one was refused as tokens fed again."""
+    from transformers import DynamicCache, StaticCache
+
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config())
+    for cache in (StaticCache(config=model.config, max_cache_len=64), DynamicCache()):
+        for paths, lengths in ((("compiled", "assigned"), [6, 1]), (("assigned", "compiled"), [3, 1])):
+            for path, n in zip(paths, lengths):
+                ids, mask = _prompts([n, n], seed=n + len(paths))
+                cache.reset()
+                kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=4, past_key_values=cache)
+                if path == "compiled":
+                    got = compiled.generate(ids, **kw)
+                else:
+                    with _forward_assigned(model, compiled):
+                        got = model.generate(ids, **kw)
+                assert torch.equal(got, _eager("llama", ids, mask, max_new_tokens=4)), (type(cache).__name__, path, n)
+    assert counters.recompiles == 0
+
+
+def _tiny(config_cls, attn="piecewise", **kw):
+    import transformers
+
+    cfg = getattr(transformers, config_cls)(**{**dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                      num_attention_heads=4, vocab_size=256, max_position_embeddings=512,
+                                                      pad_token_id=0, bos_token_id=1, eos_token_id=None), **kw})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+def test_a_bidirectional_encoder_built_as_a_causal_lm_is_refused():
+    """BertLMHeadModel without is_decoder=True attends both ways in eager (transformers warns and
+    runs it); the generation step attended causally, with other logits at every step."""
+    ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    compiled = pw.compile(_tiny("BertConfig", is_decoder=False), _config(max_model_len=64))
+    with pytest.raises(pw.ConfigError, match="BertSelfAttention attends bidirectionally"):
+        compiled.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=2)
+    decoder = _tiny("BertConfig", is_decoder=True)
+    eager = _tiny("BertConfig", attn="sdpa", is_decoder=True)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3)
+    with torch.no_grad():
+        assert torch.equal(pw.compile(decoder, _config(max_model_len=64)).generate(ids, **kw), eager.generate(ids, **kw))
+
+
+def test_a_layer_run_several_times_a_step_is_refused():
+    """HRM runs each decoder layer several times a step, each run with its own cache slot
+    (layer_idx + a cycle offset); the cache is indexed by layer_idx, so the runs overwrote each
+    other's keys (other tokens), while the count of attention calls still matched."""
+    ids = torch.randint(3, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    compiled = pw.compile(_tiny("HrmTextConfig", head_dim=16), _config(max_model_len=64))
+    with pytest.raises(pw.ConfigError, match="only 2 distinct layer_idx values"):
+        compiled.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=2)
+
+
+def test_llama4_attention_temperature_past_the_cache_floor_is_refused_before_compiling():
+    """Llama 4 scales its NoPE layers' queries by a temperature that grows from position
+    floor_scale, read from the cache object the step does not fill (positions taken as 0)."""
+    kw = dict(intermediate_size_mlp=128, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+              attention_chunk_size=None, no_rope_layer_interval=2, attn_scale=5.0)
+    with counters.expect(dynamo_traces=0), pytest.raises(pw.ConfigError, match="floor_scale=16.*max_model_len"):
+        pw.compile(_tiny("Llama4TextConfig", floor_scale=16, **kw), _config(max_model_len=64))
+    pw.compile(_tiny("Llama4TextConfig", floor_scale=64, **kw), _config(max_model_len=64))  # temperature 1 throughout
+
+
+def test_strided_input_ids_and_guidance_are_served_or_refused_by_name():
+    """A hand-written loop whose prompt is a slice of a buffer (strides (12, 1)) then feeds
+    contiguous tokens; classifier-free guidance runs a second generation inside each step."""
+    ids, mask = _prompts([6, 6])
+    model, eager = _build("llama", "piecewise"), _build("llama", "sdpa")
+    compiled = pw.compile(model, _config())
+    buffer = torch.zeros(2, 12, dtype=torch.long)
+    buffer[:, :6] = ids
+    with torch.no_grad():
+        want = eager(buffer[:, :6]).logits
+        got = compiled(input_ids=buffer[:, :6], use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        nxt = torch.cat([ids, got[:, -1:].argmax(-1)], dim=1)
+        torch.testing.assert_close(compiled(input_ids=nxt, use_cache=False).logits, eager(nxt).logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(pw.InputError, match=r"guidance_scale=1.5.*use_cache=False"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3, guidance_scale=1.5)
+    kw = dict(do_sample=False, max_new_tokens=3, guidance_scale=1.5, use_cache=False)
+    with torch.no_grad():
+        assert torch.equal(compiled.generate(ids, **kw), eager.generate(ids, **kw))

@@ -124,8 +124,9 @@ def piecewise_attention_forward(
     causality, or no mask at all, is enough; else a 4-D bool mask) or a 4-D mask the caller passed.
 
     Raises:
-        ConfigError: dropout is requested (the model is in training mode) or the architecture
-            passes an argument the op does not implement (`softcap`, `position_bias`, `s_aux`).
+        ConfigError: dropout is requested (the model is in training mode), the architecture
+            passes an argument the op does not implement (`softcap`, `position_bias`, `s_aux`), or
+            a generation step's layer attends bidirectionally.
     """
     if dropout:
         raise ConfigError(f"piecewise attention got dropout={dropout}; it is inference-only, call model.eval()")
@@ -135,6 +136,12 @@ def piecewise_attention_forward(
                               "attn_implementation='sdpa'")
     if kwargs.get("pw_k_caches") is not None:  # inside a generation step: the piecewise-owned KV cache
         from .hf_generate import cached_attention_forward
+
+        if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+            raise ConfigError(f"{type(module).__name__} attends bidirectionally (is_causal=False: an encoder built without "
+                              "is_decoder=True, use_bidirectional_attention=True, or set on the module); piecewise's "
+                              "generation KV cache implements causal attention only. Build the model as a causal "
+                              "decoder, or generate with the model itself, uncompiled (attn_implementation='sdpa')")
 
         return cached_attention_forward(module, query, key, value, scaling, kwargs)
     # Same precedence as transformers' SDPA path: the call's flag, else the module's, else causal.

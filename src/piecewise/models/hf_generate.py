@@ -465,14 +465,17 @@ class GenerationRoute:
     def _token_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids` as the steps are traced for: int64 (eager's embedding takes any integer
         dtype, and generate() appends int64 tokens to an int32 prompt, so a step traced for the
-        prompt's dtype would refuse its own decode steps). InputError for empty or non-integer ids."""
+        prompt's dtype would refuse its own decode steps) and contiguous. InputError for empty or
+        non-integer ids."""
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
             raise InputError(f"[{self.tag}] input_ids have dtype {input_ids.dtype}; token ids are integers (torch.int64, "
                              "as the model's tokenizer returns them)")
         if input_ids.numel() == 0:
             raise InputError(f"[{self.tag}] input_ids of shape {tuple(input_ids.shape)} hold no tokens; every sequence "
                              "needs at least one (a BOS token for an empty prompt)")
-        return input_ids if input_ids.dtype == torch.int64 else input_ids.to(torch.int64)
+        # contiguous: a step's first call fixes its inputs' layout, and a prompt sliced from a buffer
+        # (strides (12, 1)) followed by generated tokens (strides (1, 1)) was refused
+        return input_ids.to(torch.int64).contiguous()
 
     def _check_vocabulary(self, ids: torch.Tensor) -> None:
         """InputError for a token id outside the input embedding's rows: eager raises IndexError in
@@ -700,6 +703,15 @@ class GenerationRoute:
             raise InputError(f"[{self.tag}] generate({speculative[0]}=...) verifies candidate tokens and rolls the KV cache "
                              "back; piecewise's generation KV cache does not roll back. Generate without it, or generate with the "
                              "model itself, uncompiled (attn_implementation='sdpa')")
+        guidance = kwargs.get("guidance_scale", getattr(gen_cfg, "guidance_scale", None))
+        cached = kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True)) is not False
+        if guidance is not None and guidance != 1 and cached:
+            # its logits processor runs the model on the unconditional prompt with a cache object of
+            # its own inside every step: a second sequence on the one generation cache
+            raise InputError(f"[{self.tag}] generate(guidance_scale={guidance}) runs a second, unconditional generation "
+                             "with a cache of its own inside each step; piecewise's generation KV cache holds one "
+                             "generation at a time. Pass use_cache=False with it, or generate with the model itself, "
+                             "uncompiled (attn_implementation='sdpa')")
         ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return
@@ -747,6 +759,14 @@ class GenerationRoute:
         reached = sum(1 for item in result.split.items for n in item.graph.graph.nodes
                       if n.op == "call_function" and n.target is op)
         layers = self._layers_run()
+        # the cache is indexed by each attention's layer_idx: a layer run several times a step
+        # (HRM's cycles) would write one slot for several layers
+        indices = {m.layer_idx for m in self.model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+        if indices and len(indices) < reached:
+            raise ConfigError(f"[{self.tag}] {type(self.model).__name__}'s step reached piecewise's generation KV cache "
+                              f"{reached} times, but its attention layers have only {len(indices)} distinct layer_idx "
+                              "values, by which the cache is indexed (a layer run several times a step); generate with "
+                              "the model itself, uncompiled (attn_implementation='sdpa')")
         if reached != layers:
             raise ConfigError(f"[{self.tag}] {type(self.model).__name__} has {layers} attention layers, but its step reached "
                               f"piecewise's generation KV cache {reached} times, where it holds one attention call a layer "
@@ -820,7 +840,8 @@ class GenerationRoute:
         """Take a new generation's cache object: beam search reorders its rows between steps
         (``cache.reorder_cache(beam_idx)``) and the rows that matter are in the piecewise cache, so
         reorder those (every layer's first ``len(beam_idx)`` rows, and their padding mask) in place,
-        where the graphs read them; a crop (assisted decoding) is refused; and the object is
+        where the graphs read them; a crop (assisted decoding) is refused; a ``reset()`` makes the
+        object's next use a new sequence (it is reused across generate() calls); and the object is
         remembered as served (`_was_served`)."""
         route = self
 
@@ -842,9 +863,26 @@ class GenerationRoute:
                              "without assistant_model / prompt_lookup_num_tokens, or generate with the model "
                              "itself, uncompiled (attn_implementation='sdpa')")
 
+        reset_own = getattr(cache, "reset", None)
+        try:
+            this = weakref.ref(cache)
+        except TypeError:  # not weak-referenceable: the route keeps it strongly anyway
+            this = lambda: cache  # noqa: E731
+
+        def reset(*args: Any, **kwargs: Any) -> Any:
+            # the object starts a new sequence (a cache reused across generate() calls, as
+            # transformers documents for a StaticCache): the next call is not this generation's next step
+            held = this()
+            if held is not None:
+                if route._is_current(held):
+                    route._cache_ref, route._past = None, 0
+                route._served.discard(held)
+            return reset_own(*args, **kwargs) if callable(reset_own) else None
+
         try:
             cache.reorder_cache = reorder_cache  # an instance attribute wins over the class's method
             cache.crop = crop
+            cache.reset = reset
         except (AttributeError, TypeError):
             pass
         try:
@@ -990,6 +1028,15 @@ def check_attention_supported(module: torch.nn.Module, max_len: int) -> None:
                           f"{max_len}; the piecewise generation KV cache implements full causal attention only. Compile "
                           "it with attn_implementation='sdpa' and mode='none', lower CompilationConfig(max_model_len=...) "
                           "to the window, or generate without piecewise")
+    # Llama 4's attention temperature on its NoPE layers grows with the position, which it reads
+    # from the cache object's length; the steps pass none, so positions past floor_scale would be
+    # scaled as position 0 (below it the temperature is exactly 1)
+    floor = getattr(cfg, "floor_scale", None)
+    if getattr(cfg, "attn_temperature_tuning", False) and isinstance(floor, (int, float)) and max_len > floor:
+        raise ConfigError(f"{type(module).__name__} tunes its attention temperature from position {floor} "
+                          f"(attn_temperature_tuning, floor_scale={floor}) on positions it reads from transformers' cache "
+                          f"object, which piecewise's generation step does not fill; lower CompilationConfig(max_model_len"
+                          f"=...) to {floor} or below, or generate with the model itself, uncompiled (attn_implementation='sdpa')")
     # Dynamic NTK rotary scaling recomputes its frequencies when a sequence outgrows the longest
     # seen so far, a branch on tensor values no single trace holds (transformers' dynamic_rope_update)
     dynamic = sorted({name or "model" for name, m in module.named_modules() if getattr(m, "rope_type", None) == "dynamic"})
