@@ -1049,3 +1049,11 @@ def test_strided_input_ids_and_guidance_are_served_or_refused_by_name():
     kw = dict(do_sample=False, max_new_tokens=3, guidance_scale=1.5, use_cache=False)
     with torch.no_grad():
         assert torch.equal(compiled.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+def test_doge_keeping_fewer_keys_than_the_cache_holds_is_refused_before_compiling():
+    """Doge masks all but its keep_window_size strongest keys per query, a mask of its layers'
+    own that the step's causal mask replaced (other tokens past the window)."""
+    with counters.expect(dynamo_traces=0), pytest.raises(pw.ConfigError, match="keep_window_size=4 strongest keys"):
+        pw.compile(_tiny("DogeConfig", keep_window_size=4), _config(max_model_len=64))
+    pw.compile(_tiny("DogeConfig", keep_window_size=64), _config(max_model_len=64))

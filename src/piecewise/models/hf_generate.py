@@ -1028,6 +1028,14 @@ def check_attention_supported(module: torch.nn.Module, max_len: int) -> None:
                           f"{max_len}; the piecewise generation KV cache implements full causal attention only. Compile "
                           "it with attn_implementation='sdpa' and mode='none', lower CompilationConfig(max_model_len=...) "
                           "to the window, or generate without piecewise")
+    # Doge keeps the keep_window_size strongest keys a query sees (a mask each layer builds from
+    # its dynamic mask), which the step's own causal mask replaces: exact only within that window
+    keep = getattr(cfg, "keep_window_size", None)
+    if isinstance(keep, int) and max_len > keep:
+        raise ConfigError(f"{type(module).__name__} masks all but the keep_window_size={keep} strongest keys per query, "
+                          f"below max_model_len={max_len}; the piecewise generation KV cache attends every causal position. "
+                          "Lower CompilationConfig(max_model_len=...) to the window, or generate with the model itself, "
+                          "uncompiled (attn_implementation='sdpa')")
     # Llama 4's attention temperature on its NoPE layers grows with the position, which it reads
     # from the cache object's length; the steps pass none, so positions past floor_scale would be
     # scaled as position 0 (below it the temperature is exactly 1)
