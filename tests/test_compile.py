@@ -510,9 +510,11 @@ class _FailsOnItsSizes(torch.nn.Module):
 
 def test_an_op_failing_during_the_trace_is_a_typed_compile_error():
     """An op that fails on the trace's fake tensors (a shape mismatch, or what only fails at the
-    trace's symbolic sizes) raised Dynamo's TorchRuntimeError, not a piecewise error."""
+    trace's symbolic sizes) raised Dynamo's TorchRuntimeError, not a piecewise error. It is a
+    CompileError and, like eager's error, a RuntimeError."""
     import piecewise.models.toy  # noqa: F401  registers toy_attention
 
     cm = pw.compile(_FailsOnItsSizes(), _cfg(), dynamic_arg_dims={"x": 0})
-    with pytest.raises(pw.CompileError, match=r"tracing _FailsOnItsSizes.forward failed on symbolic sizes .*matmul.*same reduction dim"):
+    with pytest.raises(pw.TraceError, match=r"tracing _FailsOnItsSizes.forward failed on its fake tensors .*matmul.*same reduction dim"):
         cm(torch.randn(5, 4))
+    assert issubclass(pw.TraceError, (pw.CompileError)) and issubclass(pw.TraceError, RuntimeError)

@@ -434,6 +434,13 @@ def test_a_hook_removed_after_compile_is_followed():
         remove(handle)
         with counters.expect(state_changes=1, recompiles=1):
             torch.testing.assert_close(cm(ids), expected)
+    # a tensor's hook is no module state: removing one moves no epoch (a loop doing it each step
+    # made every compiled model describe its module again each step)
+    from piecewise import state
+
+    before = state.epoch()
+    torch.zeros(2, requires_grad=True).register_hook(lambda g: g).remove()
+    assert state.epoch() == before
 
 
 # -- found by trying to break the rule ---------------------------------------------------------

@@ -21,6 +21,7 @@ from .errors import (
     RecompileError,
     SizeRefusedError,
     SplitError,
+    TraceError,
 )
 
 # Light modules (no torch). Imported here, not lazily, because `counters` and `forward_context`
@@ -86,6 +87,7 @@ __all__ = [
     "PiecewiseError",
     "RecompileError",
     "SplitError",
+    "TraceError",
     "compile",
     "compilers",
     "counters",

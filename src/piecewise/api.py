@@ -49,7 +49,7 @@ from .warmstart import StartSubject, WarmStart
 from .trace import Trace, trace
 from .config import CompilationConfig
 from .counters import counters
-from .errors import CompileError, ConfigError, GuardFailureError, InputError, PiecewiseError
+from .errors import CompileError, ConfigError, GuardFailureError, InputError, PiecewiseError, TraceError
 from .inputs import CallSignature
 from .registry import Registration, Registry
 from .tags import current_registry, release_tag, unique_tag
@@ -451,10 +451,11 @@ class CompiledModel:
             own = _own_error_raised_in_trace(e)
             if own is not None:
                 raise own from e
-            raise CompileError(
-                f"[{self.tag}] tracing {type(self.module).__name__}.forward failed on symbolic sizes "
-                f"({self.config.dynamic_shapes} dynamic shapes): {_fake_failure(e)}. Eager may run at these sizes; "
-                "a first call at other sizes, or dynamic_shapes='backed', may trace"
+            raise TraceError(
+                f"[{self.tag}] tracing {type(self.module).__name__}.forward failed on its fake tensors "
+                f"({self.config.dynamic_shapes} dynamic shapes): {_fake_failure(e)}. If eager raises the same, fix "
+                "the input or the model; if eager runs at these sizes, the trace's symbolic sizes are the cause: a "
+                "first call at other sizes, or dynamic_shapes='backed', may trace"
             ) from e
 
     def __repr__(self) -> str:

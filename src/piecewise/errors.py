@@ -11,7 +11,7 @@ __all__ = [
     "ConfigError",
     "InputError", "SizeRefusedError",
     "SplitError",
-    "CompileError",
+    "CompileError", "TraceError",
     "RecompileError",
     "GuardFailureError",
     "CacheError",
@@ -44,6 +44,11 @@ class SplitError(PiecewiseError):
 
 class CompileError(PiecewiseError):
     """A piece failed to compile with the configured compiler adaptor."""
+
+
+class TraceError(CompileError, RuntimeError):
+    """An op failed on the trace's fake tensors: a shape error eager raises too, or one only the
+    trace's symbolic sizes meet. A `RuntimeError`, as eager's error and Dynamo's own are."""
 
 
 class RecompileError(PiecewiseError):

@@ -23,8 +23,9 @@ again (`describe`, O(parameters)) and compare the description with the one taken
   ``register_module_forward_pre_hook``): the trace inlined the hooks present at the time;
 * ``register_parameter`` (``m.lin.bias = None`` registers a None parameter without torch's hook)
   and ``del m.attr``;
-* removing a hook (``RemovableHandle.remove``, also behind ``with handle:``), which unregisters it
-  from its module's dict without any torch hook: the compiled code kept running it.
+* removing a forward hook or pre-hook (``RemovableHandle.remove``, also behind ``with handle:``),
+  which unregisters it from its module's dict without any torch hook (the compiled code kept
+  running it); only handles the registrations above returned, not a tensor's or optimizer's.
 
 Those without a hook in torch get a thin wrapper, installed on ``nn.Module`` (and the two global
 registration functions) once, when the first model is compiled (`install`). Dynamo special-cases
@@ -82,30 +83,54 @@ def install() -> None:
                      "__delattr__"):
             original = getattr(torch.nn.Module, name)
             if not getattr(original, "__piecewise_bumps__", False):
-                setattr(torch.nn.Module, name, _bumping(original))
+                setattr(torch.nn.Module, name, _bumping(original, mark_handle=name.startswith("register_forward")))
         import torch.nn.modules as nn_modules
         from torch.utils.hooks import RemovableHandle
 
         if not getattr(RemovableHandle.remove, "__piecewise_bumps__", False):
-            RemovableHandle.remove = _bumping(RemovableHandle.remove)
+            RemovableHandle.remove = _removing(RemovableHandle.remove)
 
         for name in ("register_module_forward_hook", "register_module_forward_pre_hook"):
             original = getattr(nn_module, name)
             if not getattr(original, "__piecewise_bumps__", False):
-                wrapped = _bumping(original)
+                wrapped = _bumping(original, mark_handle=True)
                 setattr(nn_module, name, wrapped)
                 if getattr(nn_modules, name, None) is original:  # re-exported by torch.nn.modules
                     setattr(nn_modules, name, wrapped)
         _installed = True
 
 
-def _bumping(fn: Any) -> Any:
+def _bumping(fn: Any, mark_handle: bool = False) -> Any:
+    """`fn` moving the epoch after it runs; with `mark_handle`, the hook handle it returns is
+    marked so that removing it moves the epoch too (`_removing`)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            if mark_handle:
+                try:
+                    out._piecewise_module_hook = True
+                except AttributeError:
+                    pass
+            return out
         finally:
             bump()
+
+    wrapper.__piecewise_bumps__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _removing(fn: Any) -> Any:
+    """``RemovableHandle.remove`` moving the epoch for a module forward hook's handle only (marked
+    by `_bumping`): a tensor's or an optimizer's hooks are no module state, and a loop removing
+    one a step would otherwise make every compiled model describe its module again a step."""
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            if getattr(self, "_piecewise_module_hook", False):
+                bump()
 
     wrapper.__piecewise_bumps__ = True  # type: ignore[attr-defined]
     return wrapper

@@ -147,9 +147,9 @@ def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.
         raise ValueError(f"the bundle was traced from another {forward.__qualname__}")
     trace = Trace(env, state["backend_id"], compiled_fn, original, None, state["guards_state"], [],
                   global_values=state["global_values"])
+    guards_state = load_guards_state(state["guards_state"])  # unpickling: what fails here is damage
     try:
-        trace.guard_manager = load_guard_manager(load_guards_state(state["guards_state"]), original,
-                                                 _runtime_scope(env, forward))
+        trace.guard_manager = load_guard_manager(guards_state, original, _runtime_scope(env, forward))
     except Exception as e:
         raise GuardsNotBuilt(f"{type(e).__name__}: {e}", trace) from e
     return trace

@@ -172,7 +172,7 @@ def two_split_root(tmp_path_factory) -> str:
     return root
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "index", "rechecksummed_junk"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "index", "rechecksummed_junk", "rechecksummed_guards"])
 def test_corrupt_bundle_falls_back_to_tracing_with_one_warning(tmp_path, two_split_root, damage):
     root = shutil.copytree(two_split_root, str(tmp_path / "c"))  # a cache root can move (§5.2)
     path = bundle_file(root)
@@ -188,6 +188,19 @@ def test_corrupt_bundle_falls_back_to_tracing_with_one_warning(tmp_path, two_spl
         import hashlib
 
         junk = b"\x80\x05not a pickle at all" * 10
+        if damage == "rechecksummed_guards":  # a bundle whose saved guards are truncated: damage, not a miss
+            import io
+            import pickle
+
+            from torch._dynamo.aot_compile import AOTCompilePickler, AOTCompileUnpickler
+
+            body = pickle.loads(open(path, "rb").read())
+            state = AOTCompileUnpickler({}, io.BytesIO(body["dynamo"])).load()
+            state["guards_state"] = state["guards_state"][: len(state["guards_state"]) // 2]
+            buf = io.BytesIO()
+            AOTCompilePickler({}, buf).dump(state)
+            body["dynamo"] = buf.getvalue()
+            junk = pickle.dumps(body)
         open(path, "wb").write(junk)
         ipath = os.path.join(bundle_entries(root)[0], "index.json")
         idx = read_index(ipath)

@@ -983,13 +983,30 @@ def test_a_cache_object_reset_and_reused_across_generate_calls_starts_a_new_sequ
                     with _forward_assigned(model, compiled):
                         got = model.generate(ids, **kw)
                 assert torch.equal(got, _eager("llama", ids, mask, max_new_tokens=4)), (type(cache).__name__, path, n)
+        # the class's reset behind one hook (it used to nest one wrapper a reuse, RecursionError after
+        # about a thousand), and a deep copy resets itself, not the cache it was copied from
+        from piecewise.models.hf_generate import _CacheReset
+
+        assert isinstance(cache.reset, _CacheReset) and cache.reset.cache() is cache
+        assert copy.deepcopy(cache).reset.cache() is not cache
     assert counters.recompiles == 0
 
 
-def _tiny(config_cls, attn="piecewise", **kw):
+def test_a_config_edit_between_compile_and_the_first_generate_is_checked():
+    """The config was first compared after the first step's trace: a sliding window set between
+    pw.compile and the first generate() was served as full attention."""
+    ids, mask = _prompts([6, 4])
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config())
+    model.config.sliding_window = 3
+    with pytest.raises(pw.ConfigError, match=r"config.sliding_window '<absent>' -> 3.*sliding window of 3 positions"):
+        compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+
+
+def _tiny_named(config_name, attn="piecewise", **kw):
     import transformers
 
-    cfg = getattr(transformers, config_cls)(**{**dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+    cfg = getattr(transformers, config_name)(**{**dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                                                       num_attention_heads=4, vocab_size=256, max_position_embeddings=512,
                                                       pad_token_id=0, bos_token_id=1, eos_token_id=None), **kw})
     torch.manual_seed(0)
@@ -1000,11 +1017,11 @@ def test_a_bidirectional_encoder_built_as_a_causal_lm_is_refused():
     """BertLMHeadModel without is_decoder=True attends both ways in eager (transformers warns and
     runs it); the generation step attended causally, with other logits at every step."""
     ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(0))
-    compiled = pw.compile(_tiny("BertConfig", is_decoder=False), _config(max_model_len=64))
+    compiled = pw.compile(_tiny_named("BertConfig", is_decoder=False), _config(max_model_len=64))
     with pytest.raises(pw.ConfigError, match="BertSelfAttention attends bidirectionally"):
         compiled.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=2)
-    decoder = _tiny("BertConfig", is_decoder=True)
-    eager = _tiny("BertConfig", attn="sdpa", is_decoder=True)
+    decoder = _tiny_named("BertConfig", is_decoder=True)
+    eager = _tiny_named("BertConfig", attn="sdpa", is_decoder=True)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3)
     with torch.no_grad():
         assert torch.equal(pw.compile(decoder, _config(max_model_len=64)).generate(ids, **kw), eager.generate(ids, **kw))
@@ -1015,7 +1032,7 @@ def test_a_layer_run_several_times_a_step_is_refused():
     (layer_idx + a cycle offset); the cache is indexed by layer_idx, so the runs overwrote each
     other's keys (other tokens), while the count of attention calls still matched."""
     ids = torch.randint(3, 256, (2, 5), generator=torch.Generator().manual_seed(0))
-    compiled = pw.compile(_tiny("HrmTextConfig", head_dim=16), _config(max_model_len=64))
+    compiled = pw.compile(_tiny_named("HrmTextConfig", head_dim=16), _config(max_model_len=64))
     with pytest.raises(pw.ConfigError, match="only 2 distinct layer_idx values"):
         compiled.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=2)
 
@@ -1026,8 +1043,8 @@ def test_llama4_attention_temperature_past_the_cache_floor_is_refused_before_com
     kw = dict(intermediate_size_mlp=128, num_key_value_heads=2, head_dim=16, num_local_experts=2,
               attention_chunk_size=None, no_rope_layer_interval=2, attn_scale=5.0)
     with counters.expect(dynamo_traces=0), pytest.raises(pw.ConfigError, match="floor_scale=16.*max_model_len"):
-        pw.compile(_tiny("Llama4TextConfig", floor_scale=16, **kw), _config(max_model_len=64))
-    pw.compile(_tiny("Llama4TextConfig", floor_scale=64, **kw), _config(max_model_len=64))  # temperature 1 throughout
+        pw.compile(_tiny_named("Llama4TextConfig", floor_scale=16, **kw), _config(max_model_len=64))
+    pw.compile(_tiny_named("Llama4TextConfig", floor_scale=64, **kw), _config(max_model_len=64))  # temperature 1 throughout
 
 
 def test_strided_input_ids_and_guidance_are_served_or_refused_by_name():
@@ -1055,5 +1072,5 @@ def test_doge_keeping_fewer_keys_than_the_cache_holds_is_refused_before_compilin
     """Doge masks all but its keep_window_size strongest keys per query, a mask of its layers'
     own that the step's causal mask replaced (other tokens past the window)."""
     with counters.expect(dynamo_traces=0), pytest.raises(pw.ConfigError, match="keep_window_size=4 strongest keys"):
-        pw.compile(_tiny("DogeConfig", keep_window_size=4), _config(max_model_len=64))
-    pw.compile(_tiny("DogeConfig", keep_window_size=64), _config(max_model_len=64))
+        pw.compile(_tiny_named("DogeConfig", keep_window_size=4), _config(max_model_len=64))
+    pw.compile(_tiny_named("DogeConfig", keep_window_size=64), _config(max_model_len=64))

@@ -332,6 +332,37 @@ _STEP_KWARGS = frozenset(_GENERATION_KWARGS) | {"input_ids", "cache_position"}
 _DEFAULT_TRUE = frozenset({"is_causal"})
 
 
+class _CacheReset:
+    """A served cache object's ``reset``: its class's reset, after telling the route the object
+    starts a new sequence (a cache reused across generate() calls with ``reset()`` between them, as
+    transformers documents for a StaticCache; its next call is not the last generation's next
+    step). Holds weak references only, so the cache and the route do not keep each other alive;
+    a deep copy of the cache gets a reset of its own that tells no route.
+
+    Raises:
+        TypeError: from `weakref.ref` for an object that cannot be weakly referenced (not installed).
+    """
+
+    __slots__ = ("route", "cache")
+
+    def __init__(self, route: "GenerationRoute | None", cache: Any) -> None:
+        self.route = weakref.ref(route) if route is not None else None
+        self.cache = weakref.ref(cache)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = self.cache()
+        route = self.route() if self.route is not None else None
+        if route is not None and cache is not None:
+            if route._is_current(cache):
+                route._cache_ref, route._past = None, 0
+            route._served.discard(cache)
+        return type(cache).reset(cache, *args, **kwargs) if cache is not None else None
+
+    def __deepcopy__(self, memo: dict) -> "_CacheReset":
+        copy = memo.get(id(self.cache()))
+        return _CacheReset(None, copy) if copy is not None else self
+
+
 def _positions_held(cache: Any) -> int:
     """Positions a transformers cache object holds (its ``get_seq_length()``; 0 for an object
     without one). Piecewise's attention never writes transformers' cache objects, so a cache that
@@ -390,8 +421,9 @@ class GenerationRoute:
         #: per compiled step (by id), the trace whose layers were checked to reach the cache: a step
         #: that traced again after a state change is checked again
         self._verified: dict[int, Any] = {}
-        #: the model config's plain public values when the steps were traced (`config_values`);
-        #: compared at every sequence's first step, a change is followed (`_follow_config`)
+        #: the model config's plain public values when it was checked at compile (`config_values`,
+        #: set by `generation_route`); compared at every sequence's first step, a change is followed
+        #: (`_follow_config`)
         self._config_values: dict[str, Any] | None = None
         #: path of the decoder's layer list (the ModuleList of `num_hidden_layers` modules), if found
         self._layers_path = _layer_list_path(model)
@@ -496,7 +528,7 @@ class GenerationRoute:
         past = self._past_for(cache)
         if past == 0:  # a sequence's first step (its prompt): what `check_generate` checks for generate(), for
             self._check_vocabulary(input_ids)  # model.forward = compiled and hand-written loops (one read a sequence)
-            if self._config_values is not None and self.compiled:
+            if self._config_values is not None:
                 self._follow_config()
         if continuing and past > 0 and new > 1:
             # generate() feeds one token a row after the prompt; more tokens on a cache object this
@@ -606,8 +638,6 @@ class GenerationRoute:
         if self._verified.get(id(compiled)) is not result:
             self._check_layers_reach_cache(compiled)
             self._verified[id(compiled)] = result
-            if self._config_values is None:
-                self._config_values = config_values(self.model.config)
         self._past = total if cache is not None else 0
         if past == 0:
             self._past_batch = batch
@@ -759,6 +789,12 @@ class GenerationRoute:
         reached = sum(1 for item in result.split.items for n in item.graph.graph.nodes
                       if n.op == "call_function" and n.target is op)
         layers = self._layers_run()
+        if reached != layers:
+            raise ConfigError(f"[{self.tag}] {type(self.model).__name__} has {layers} attention layers, but its step reached "
+                              f"piecewise's generation KV cache {reached} times, where it holds one attention call a layer "
+                              "(its decoder layers do not pass attention keyword arguments through, its attention does not "
+                              "use transformers' attention interface, or it attends twice a layer); generate with the "
+                              "model itself, uncompiled (attn_implementation='sdpa')")
         # the cache is indexed by each attention's layer_idx: a layer run several times a step
         # (HRM's cycles) would write one slot for several layers
         indices = {m.layer_idx for m in self.model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
@@ -767,12 +803,6 @@ class GenerationRoute:
                               f"{reached} times, but its attention layers have only {len(indices)} distinct layer_idx "
                               "values, by which the cache is indexed (a layer run several times a step); generate with "
                               "the model itself, uncompiled (attn_implementation='sdpa')")
-        if reached != layers:
-            raise ConfigError(f"[{self.tag}] {type(self.model).__name__} has {layers} attention layers, but its step reached "
-                              f"piecewise's generation KV cache {reached} times, where it holds one attention call a layer "
-                              "(its decoder layers do not pass attention keyword arguments through, its attention does not "
-                              "use transformers' attention interface, or it attends twice a layer); generate with the "
-                              "model itself, uncompiled (attn_implementation='sdpa')")
 
     def _layers_run(self) -> int:
         """Decoder layers a step runs now: the cache's layers, fewer when the config's count was
@@ -863,26 +893,11 @@ class GenerationRoute:
                              "without assistant_model / prompt_lookup_num_tokens, or generate with the model "
                              "itself, uncompiled (attn_implementation='sdpa')")
 
-        reset_own = getattr(cache, "reset", None)
-        try:
-            this = weakref.ref(cache)
-        except TypeError:  # not weak-referenceable: the route keeps it strongly anyway
-            this = lambda: cache  # noqa: E731
-
-        def reset(*args: Any, **kwargs: Any) -> Any:
-            # the object starts a new sequence (a cache reused across generate() calls, as
-            # transformers documents for a StaticCache): the next call is not this generation's next step
-            held = this()
-            if held is not None:
-                if route._is_current(held):
-                    route._cache_ref, route._past = None, 0
-                route._served.discard(held)
-            return reset_own(*args, **kwargs) if callable(reset_own) else None
-
         try:
             cache.reorder_cache = reorder_cache  # an instance attribute wins over the class's method
             cache.crop = crop
-            cache.reset = reset
+            if callable(getattr(type(cache), "reset", None)):
+                cache.reset = _CacheReset(self, cache)
         except (AttributeError, TypeError):
             pass
         try:
@@ -966,6 +981,7 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
                           "itself, uncompiled, built with attn_implementation='sdpa'")
     route = GenerationRoute(module, config, tag)
     check_attention_supported(module, route.max_model_len)
+    route._config_values = config_values(cfg)  # what was checked: an edit before the first call is followed too
     _create_longrope_frequencies(module)
     return route
 
