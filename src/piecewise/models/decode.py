@@ -125,13 +125,14 @@ def greedy_decode(
             ``model.eos_token_ids`` of a model built by `LlamaForCausalLM.from_hf`.
         config: the model's `LlamaConfig` (or anything with `max_num_seqs` and `max_seq_len`):
             its KV-cache limits become the defaults and bounds above, checked before the first
-            step, so a request that cannot fit fails before anything is compiled. Default:
-            ``forward.config`` when `forward` has one (a `LlamaForCausalLM`), else none.
+            step, so a request that cannot fit fails before anything is compiled. Default: the
+            config of the model `forward` runs (itself, a compiled model's ``.module``, a
+            backbone's ``.decoder``), else none.
         max_num_tokens: the most tokens one step may feed (a compiled model's
             `CompilationConfig.max_num_tokens`). Requests are fed in admission order until it is
             spent; a prefill that does not fit is fed in chunks over several steps (chunked
             prefill), and a request generates once its whole prompt is in the cache. Default:
-            no limit.
+            a pw.compile'd `forward`'s own `CompilationConfig.max_num_tokens`, else no limit.
         compute_logits: when given, `forward` returns hidden states ``[num_tokens, hidden]`` and
             only the rows a request samples from (its last fed token) go through
             ``compute_logits(rows) -> [rows, vocab_size]`` (e.g. a compiled
@@ -140,8 +141,11 @@ def greedy_decode(
 
     Raises:
         InputError: empty prompts, token ids that are not integers or are outside `config`'s vocabulary, mismatched
-            `arrival_steps` or `max_new_tokens`, more slots than the model has, or a request too
-            long for `max_seq_len` (naming the request, the limit and the config field).
+            or non-integer `arrival_steps` or `max_new_tokens` (numpy and 0-d tensor integers are
+            taken), `max_num_seqs` below 1 or above the model's slots, a request too long for
+            `max_seq_len` (naming the request, the limit and the config field), or another
+            `greedy_decode` running on the same model (found through a compiled model's
+            ``.module`` and a backbone's ``.decoder``): both would write the same cache slots.
     """
     limits = _counts("max_new_tokens", max_new_tokens, len(prompts), low=1)
     if any(len(p) == 0 for p in prompts):
