@@ -817,7 +817,8 @@ class GenerationRoute:
         return layers
 
     def _follow_config(self) -> None:
-        """The model config's plain values changed since the steps were traced (``num_hidden_layers``
+        """The model config's plain values changed since compile checked them, or since the last
+        change followed (``num_hidden_layers``
         lowered, a sliding window set, any field the trace may have read): what is still supported
         is traced again (every compiled step drops its trace, logged and counted in `recompiles` and
         `state_changes`); what is not is refused as at compile.
