@@ -434,6 +434,15 @@ def test_a_hook_removed_after_compile_is_followed():
         remove(handle)
         with counters.expect(state_changes=1, recompiles=1):
             torch.testing.assert_close(cm(ids), expected)
+    # a hook registered before the process's first compile (before piecewise wraps the
+    # registration, so its handle is not marked) and removed after it is followed too
+    handle = model.lin.register_forward_hook(lambda mod, inp, out: out * 0.5)
+    del handle._piecewise_module_hook
+    with torch.no_grad():
+        torch.testing.assert_close(cm(ids), model(ids))
+    handle.remove()
+    with counters.expect(state_changes=1, recompiles=1):
+        torch.testing.assert_close(cm(ids), expected)
     # a tensor's hook is no module state: removing one moves no epoch (a loop doing it each step
     # made every compiled model describe its module again each step)
     from piecewise import state

@@ -25,7 +25,7 @@ again (`describe`, O(parameters)) and compare the description with the one taken
   and ``del m.attr``;
 * removing a forward hook or pre-hook (``RemovableHandle.remove``, also behind ``with handle:``),
   which unregisters it from its module's dict without any torch hook (the compiled code kept
-  running it); only handles the registrations above returned, not a tensor's or optimizer's.
+  running it); only module forward-hook handles, not a tensor's or optimizer's.
 
 Those without a hook in torch get a thin wrapper, installed on ``nn.Module`` (and the two global
 registration functions) once, when the first model is compiled (`install`). Dynamo special-cases
@@ -129,7 +129,10 @@ def _removing(fn: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
         finally:
-            if getattr(self, "_piecewise_module_hook", False):
+            # marked at registration; a module forward hook registered before the first compile
+            # (before `install`) is told by its extra dicts (with_kwargs / always_call), which
+            # tensor, optimizer and state-dict hooks do not have
+            if getattr(self, "_piecewise_module_hook", False) or getattr(self, "extra_dict_ref", ()):
                 bump()
 
     wrapper.__piecewise_bumps__ = True  # type: ignore[attr-defined]
