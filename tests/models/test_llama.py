@@ -119,6 +119,53 @@ def test_attention_op_zeroes_pad_rows():
     assert k_cache[0].abs().sum() == 0 and torch.equal(k_cache[1, :2], k[:2])
 
 
+def test_a_cpu_step_writes_its_kv_cache_in_the_compiled_piece_and_a_padded_step_is_refused(monkeypatch):
+    """Where no graph platform pads steps (the CPU), each layer writes its keys and values in the
+    piece before the attention op (fused there under Inductor) and the op only attends: same
+    tokens and the same cache as the eager model. Under a platform, or on CUDA, the op writes
+    the real rows itself. An op handed no k/v (written already) with pad rows raises: the pad rows
+    would have been written over whatever cells they name."""
+    import piecewise as pw
+    from piecewise.counters import counters
+    from piecewise.graphs.platform import register_platform
+    from piecewise.models import llama
+
+    assert llama.kv_written_in_piece("cpu") and not llama.kv_written_in_piece("cuda")
+    with register_platform("cpu", lambda: None):
+        assert not llama.kv_written_in_piece("cpu")
+
+    handed: list[bool] = []
+    real = llama._cpu_attention
+
+    def spy(q, k, v, *rest):
+        handed.append(k is None and v is None)
+        return real(q, k, v, *rest)
+
+    monkeypatch.setattr(llama, "_cpu_attention", spy)
+    cfg = LlamaConfig(num_layers=2)
+    trace = default_trace(cfg.vocab_size)
+    eager = LlamaForCausalLM(cfg, seed=3).eval()
+    model = LlamaForCausalLM(cfg, seed=3).eval()
+    kw = dict(arrival_steps=trace.arrival_steps, max_num_seqs=cfg.max_num_seqs)
+    with torch.no_grad():
+        want = greedy_decode(eager, trace.prompts, trace.max_new_tokens, reset=eager.reset_kv_cache, **kw)
+        compiled = pw.compile(model, pw.CompilationConfig(backend="eager", cache_dir=None, max_num_tokens=64),
+                              dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
+        handed.clear()
+        with counters.expect(recompiles=0):
+            got = greedy_decode(compiled, trace.prompts, trace.max_new_tokens, reset=model.reset_kv_cache, **kw)
+    assert got.tokens == want.tokens
+    assert handed and all(handed)  # every layer of every step: written in the piece
+    for a, b in zip(_caches(model), _caches(eager)):
+        torch.testing.assert_close(a, b)
+
+    q, k_cache = torch.randn(4, 4, 8), torch.zeros(2, 8, 2, 8)
+    with set_forward_context(ForwardContext(num_tokens=2, padded_num_tokens=4)):
+        with pytest.raises(pw.InputError, match="pad rows"):
+            llama_attention(q, None, None, k_cache, k_cache.clone(), torch.tensor([0, 1, 0, 0]),
+                            torch.tensor([1, 1, 0, 0]), 8**-0.5, torch.empty_like(q))
+
+
 def test_dynamo_traces_fullgraph_with_dynamic_num_tokens():
     config = LlamaConfig(num_layers=3)
     model = LlamaForCausalLM(config, seed=1).eval()
