@@ -1074,3 +1074,130 @@ def test_doge_keeping_fewer_keys_than_the_cache_holds_is_refused_before_compilin
     with counters.expect(dynamo_traces=0), pytest.raises(pw.ConfigError, match="keep_window_size=4 strongest keys"):
         pw.compile(_tiny_named("DogeConfig", keep_window_size=4), _config(max_model_len=64))
     pw.compile(_tiny_named("DogeConfig", keep_window_size=64), _config(max_model_len=64))
+
+
+def test_a_quantized_cache_is_refused_by_name_on_both_paths():
+    """A QuantizedCache (fp8, pure torch) makes eager attend fp8-rounded keys and values; the step
+    attended its own full-precision cache: other tokens, no error. Refused by name, before a step
+    (compiled.generate) or at the first step (the forward-assigned path)."""
+    from transformers import QuantizedCache
+
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config(max_model_len=64))
+    ids, mask = _prompts([6, 4])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=3)
+    with pytest.raises(pw.InputError, match="cache_implementation='quantized'"):
+        compiled.generate(ids, cache_implementation="quantized", cache_config={"backend": "fp8"}, **kw)
+    with pytest.raises(pw.InputError, match="QuantizedCache with layers Fp8QuantizedLayer"):
+        compiled.generate(ids, cache=QuantizedCache(backend="fp8", config=model.config), **kw)
+    with _forward_assigned(model, compiled):
+        with pytest.raises(pw.InputError, match="QuantizedCache with layers Fp8QuantizedLayer"):
+            model.generate(ids, cache=QuantizedCache(backend="fp8", config=model.config), **kw)
+    # the model still serves a plain generate() with the eager tokens
+    assert torch.equal(compiled.generate(ids, **kw), _eager("llama", ids, mask, max_new_tokens=3))
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_cache_reused_without_reset_is_refused_not_continued(kind):
+    """The same cache object passed to a second generate() without reset(): a one-token prompt
+    was taken for the next decode step of the first generation (its keys attended: other tokens),
+    where eager's generate() fails. Refused by name now; after reset() it is a new sequence."""
+    from transformers import DynamicCache, StaticCache
+
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config(max_model_len=64))
+    cache = DynamicCache() if kind == "dynamic" else StaticCache(config=model.config, max_cache_len=64)
+    first, second = torch.tensor([[17], [33]]), torch.tensor([[99], [140]])
+    kw = dict(cache=cache, do_sample=False, max_new_tokens=4)
+    compiled.generate(first, **kw)
+    with pytest.raises(pw.InputError, match="already holds 4 positions of an earlier generate"):
+        compiled.generate(second, **kw)
+    cache.reset()
+    ones = torch.ones_like(second)
+    assert torch.equal(compiled.generate(second, **kw), _eager("llama", second, ones, max_new_tokens=4))
+
+
+def test_a_custom_4d_attention_mask_is_refused_and_transformers_own_is_served():
+    """A block-diagonal (packed sequences) 4-D mask was read as padding on its last row and
+    replaced by a causal mask: logits off by 26, no error. It is refused now; the 4-D masks
+    transformers builds for a static cache (left padding) still give the eager tokens."""
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config(max_model_len=64))
+    ids = torch.randint(3, 512, (2, 10), generator=torch.Generator().manual_seed(1))
+    block = torch.zeros(10, 10, dtype=torch.bool)
+    for s in (0, 5):
+        block[s:s + 5, s:s + 5] = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]] * 2)
+    with pytest.raises(pw.InputError, match="4-D attention_mask"):
+        compiled(ids, attention_mask=block[None, None].expand(2, 1, 10, 10).contiguous(), position_ids=positions,
+                 use_cache=False)
+    prefix = torch.ones(10, 10, dtype=torch.bool).tril()
+    prefix[:4, :4] = True  # a prefix attended both ways
+    with pytest.raises(pw.InputError, match="4-D attention_mask"):
+        compiled(ids, attention_mask=prefix[None, None].expand(2, 1, 10, 10).contiguous(), use_cache=False)
+    padded, mask = _prompts([6, 3])
+    want = _eager("llama", padded, mask, max_new_tokens=4, cache_implementation="static")
+    assert torch.equal(compiled.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=4,
+                                         cache_implementation="static"), want)
+
+
+def test_generation_arguments_eager_serves_are_served():
+    """Each used to be refused: int32 position_ids fixed the step's dtype (the other dtype was
+    refused, and an int32 first call poisoned every later generate()); a model config asking for
+    hidden states on every forward failed the trace ('Unsupported context manager'); max_length
+    with the model's generation_config.max_new_tokens set was checked as max_length, where
+    transformers lets max_new_tokens win."""
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config(max_model_len=64))
+    ids, mask = _prompts([6, 4])
+    want = _eager("llama", ids, mask, max_new_tokens=3)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for dtype in (torch.int32, torch.int64, torch.int32):
+        got = compiled.generate(ids, attention_mask=mask, position_ids=positions.to(dtype), do_sample=False,
+                                max_new_tokens=3)
+        assert torch.equal(got, want)
+    model.generation_config.max_new_tokens = 3
+    try:
+        assert torch.equal(compiled.generate(ids, attention_mask=mask, do_sample=False, max_length=1000), want)
+    finally:
+        model.generation_config.max_new_tokens = None
+    hidden = _build("llama", "piecewise")
+    hidden.config.output_hidden_states = True
+    assert torch.equal(pw.compile(hidden, _config(max_model_len=64)).generate(ids, attention_mask=mask, do_sample=False,
+                                                                              max_new_tokens=3), want)
+
+
+@pytest.mark.parametrize("shapes", ["backed", "unbacked"])
+def test_dynamic_shapes_the_generation_steps_cannot_take_are_refused_before_a_trace(shapes):
+    """'backed' refused every decode step mid-generation ('pad the call to 2', which generate()
+    cannot); 'unbacked' failed the trace in transformers' mask code. Both are ConfigErrors naming
+    the default before anything is traced."""
+    compiled = pw.compile(_build("llama", "piecewise"), _config(max_model_len=64, dynamic_shapes=shapes))
+    ids, mask = _prompts([6])
+    with counters.expect(dynamo_traces=0):
+        with pytest.raises(pw.ConfigError, match=f"dynamic_shapes='{shapes}'.*backed_size_oblivious"):
+            compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+
+
+def test_transformers_auto_compile_does_not_wrap_the_piecewise_model():
+    """With a static cache on a GPU, transformers' generate() wraps the forward in torch.compile
+    (simulated on the CPU by CompileConfig._compile_all_devices): Dynamo then traced piecewise's
+    own route, 35 graphs over four calls, uncounted by piecewise. Both paths now generate with
+    transformers' auto-compile off (the model's generation_config.disable_compile, set at compile)."""
+    from torch._dynamo.utils import counters as dynamo_counters
+    from transformers import CompileConfig
+
+    model = _build("llama", "piecewise")
+    compiled = pw.compile(model, _config(max_model_len=64))
+    assert model.generation_config.disable_compile is True
+    auto = CompileConfig(fullgraph=False)
+    auto._compile_all_devices = True
+    ids, mask = _prompts([6, 4])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=3, cache_implementation="static")
+    want = _eager("llama", ids, mask, max_new_tokens=3, cache_implementation="static")
+    assert torch.equal(compiled.generate(ids, **kw), want)
+    before = dynamo_counters["frames"]["total"]
+    assert torch.equal(compiled.generate(ids, compile_config=auto, **kw), want)
+    with _forward_assigned(model, compiled):
+        assert torch.equal(model.generate(ids, compile_config=auto, **kw), want)
+    assert dynamo_counters["frames"]["total"] == before

@@ -286,9 +286,13 @@ class GenerationStep(torch.nn.Module):
         # only when B == 1, so a first call with one sequence traced a step guarded on B == 1 (which
         # guard-free dispatch would not check). The gather makes [B, 1, H] contiguous at any B.
         keep = torch.full((1,), -1, dtype=torch.long, device=input_ids.device) if self.last_logits_only else 0
+        # A step returns logits only: a config asking every forward for hidden states or attention
+        # weights (config.output_hidden_states=True) would record them through hooks no graph holds
+        extra = {flag: False for flag in ("output_hidden_states", "output_attentions")
+                 if getattr(self.model.config, flag, False) is True}
         # The class's forward: ``self.model.forward`` may be the compiled model itself (generate()).
         out = type(self.model).forward(self.model, input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                       logits_to_keep=keep,
+                                       logits_to_keep=keep, **extra,
                                        pw_write_pos=write_pos,
                                        pw_mask=attention_mask_for_step(write_pos, kv_valid, self.k_cache_0.dtype),
                                        pw_k_caches=k_caches, pw_v_caches=v_caches,
@@ -363,6 +367,35 @@ class _CacheReset:
         return _CacheReset(None, copy) if copy is not None else self
 
 
+class _CacheLength:
+    """A served cache object's ``get_seq_length``: while the object is the route's current
+    generation, the positions piecewise's KV cache holds for it (piecewise never fills
+    transformers' own layers, whose length stays 0), else its class's answer. transformers reads
+    it where a generate() starts, to skip the tokens a cache already holds, as it does for eager
+    caches: a cache reused without ``reset()`` is then the continuation eager sees (a new prompt
+    of one token is no longer taken for the next decode step of the last generation). Weak
+    references only, as `_CacheReset`."""
+
+    __slots__ = ("route", "cache")
+
+    def __init__(self, route: "GenerationRoute | None", cache: Any) -> None:
+        self.route = weakref.ref(route) if route is not None else None
+        self.cache = weakref.ref(cache)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = self.cache()
+        route = self.route() if self.route is not None else None
+        if cache is None:
+            return 0
+        if route is not None and route._is_current(cache):
+            return route._past
+        return type(cache).get_seq_length(cache, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> "_CacheLength":
+        copy = memo.get(id(self.cache()))
+        return _CacheLength(None, copy) if copy is not None else self
+
+
 def _positions_held(cache: Any) -> int:
     """Positions a transformers cache object holds (its ``get_seq_length()``; 0 for an object
     without one). Piecewise's attention never writes transformers' cache objects, so a cache that
@@ -372,6 +405,29 @@ def _positions_held(cache: Any) -> int:
         return 0
     held = length()
     return int(held) if isinstance(held, (int, torch.Tensor)) else 0
+
+
+def cache_kind_problem(cache: Any) -> str | None:
+    """What makes a transformers cache object's attention differ from plain full-precision
+    attention over its keys, or None. Piecewise attends over its own full-precision KV cache, so a
+    cache whose layers quantize keys and values (`QuantizedCache`: eager attends fp8 or int-rounded
+    ones), keep extra indexer keys (sparse-attention models) or hold linear-attention state
+    would be served with other values. Plain dynamic, static and sliding-window layers (offloaded
+    or not) are served: their kind changes where keys are stored, not what is attended."""
+    from transformers import cache_utils as cu
+
+    kinds = [type(layer) for layer in getattr(cache, "layers", None) or ()]
+    replicate = getattr(cache, "layer_class_to_replicate", None)
+    if isinstance(replicate, type):
+        kinds.append(replicate)
+    odd = tuple(c for c in (getattr(cu, n, None) for n in ("BaseQuantizedLayer", "DynamicIndexedLayer", "StaticIndexedLayer",
+                                                           "LinearAttentionCacheLayerMixin")) if isinstance(c, type))
+    plain = tuple(c for c in (getattr(cu, n, None) for n in ("DynamicLayer", "StaticLayer")) if isinstance(c, type))
+    quantized = getattr(cu, "QuantizedCache", None)
+    bad = sorted({k.__name__ for k in kinds if issubclass(k, odd) or not issubclass(k, plain)})
+    if isinstance(quantized, type) and isinstance(cache, quantized) and not bad:
+        bad = [type(cache).__name__]
+    return f"{type(cache).__name__} with layers {', '.join(bad)}" if bad else None
 
 
 class GenerationRoute:
@@ -468,6 +524,12 @@ class GenerationRoute:
                              "the whole row. Pass each sequence as its own row (left-padded, with attention_mask), or "
                              "call with consecutive positions")
         continuing = cache is not None and self._is_current(cache)
+        odd = cache_kind_problem(cache) if cache is not None and not continuing else None
+        if odd is not None:
+            raise InputError(f"[{self.tag}] the cache passed in is a {odd}: eager attends what that cache keeps "
+                             "(quantized keys and values, indexer keys or linear-attention state), piecewise's generation "
+                             "step attends its own full-precision KV cache, so tokens would differ. Generate with the "
+                             "default cache (or cache_implementation='static'), or with the model itself, uncompiled")
         if cache is not None and not continuing and self._was_served(cache):
             raise InputError(f"[{self.tag}] a generation resumed after another generation on this compiled model started "
                              "(generate() nested in a streamer or stopping criterion, interleaved from two threads, or "
@@ -581,12 +643,16 @@ class GenerationRoute:
         elif mask is not None and mask.dim() == 4:
             # A compilable cache's 4-D mask, built by transformers from its own (never filled) cache:
             # right for the prompt (its last query row holds every key that prompt may see), so read
-            # the padding there; a later step only appends real tokens.
+            # the padding there; a later step only appends real tokens. The step attends causally
+            # over that padding: any other 4-D mask (packed sequences, a prefix attended both ways)
+            # is refused (`_check_4d_mask`).
             if past == 0:
                 row = mask[:, 0, -1, :total]
                 valid[:batch, :total].copy_(row if row.dtype == torch.bool else row == 0)
             else:
                 valid[:batch, past:total].fill_(True)
+            if past == 0 or input_ids.device.type == "cpu":  # elsewhere a device read a step: at the prompt only
+                self._check_4d_mask(mask, valid[:batch, :total], past)
         elif mask is None:
             valid[:batch, :total].fill_(True)
         else:
@@ -606,6 +672,10 @@ class GenerationRoute:
         else:
             write_pos = torch.arange(past, total, device=input_ids.device)
         position_ids = kwargs.get("position_ids")
+        if isinstance(position_ids, torch.Tensor) and position_ids.dtype != torch.int64 and not (
+                position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool):
+            # int64, as input_ids: eager takes any integer dtype, and a step traced for one refused the other
+            position_ids = position_ids.to(torch.int64)
         if position_ids is None:  # generate() passes them; a plain forward may not
             position_ids = self._default_positions(valid[:batch, :total], past, input_ids)
         # ``model.forward`` is the compiled model while generate() runs: take it off for the step, so
@@ -651,6 +721,46 @@ class GenerationRoute:
         if cache is not None:
             out["cache"] = cache
         return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
+
+    def _check_4d_mask(self, mask: torch.Tensor, valid: torch.Tensor, past: int) -> None:
+        """InputError unless the 4-D `mask` (``[batch, 1, new, keys >= total]``, bool or additive)
+        is what the step attends: each real query token (not a pad) sees exactly the valid
+        positions up to its own (`valid`: ``[batch, total]`` bool) and nothing past the sequence.
+        transformers builds such masks for a static cache; a custom one (packed sequences, a
+        prefix attended both ways, a bias) is attended by eager and would be replaced here."""
+        batch, total = valid.shape
+        new = total - past
+        what = None
+        if mask.shape[0] != batch or mask.shape[1] != 1 or mask.shape[2] != new or mask.shape[3] < total:
+            what = f"shape {tuple(mask.shape)}, not [{batch}, 1, {new}, >= {total}]"
+        else:
+            if mask.dtype == torch.bool:
+                sees = mask[:, 0]
+            else:
+                sees = mask[:, 0] == 0
+                floor = torch.finfo(mask.dtype).min / 2 if mask.dtype.is_floating_point else -1
+                if bool(((mask != 0) & (mask > floor)).any()):
+                    what = "additive values other than 0 and the dtype's minimum (a bias, not a mask)"
+            if what is None:
+                j = torch.arange(mask.shape[3], device=valid.device)
+                causal = j[None, :] <= torch.arange(past, total, device=valid.device)[:, None]  # [new, keys]
+                seen = torch.zeros(batch, mask.shape[3], dtype=torch.bool, device=valid.device)
+                seen[:, :total] = valid
+                want = causal[None] & seen[:, None, :]  # [batch, new, keys]
+                sees = sees.to(valid.device)
+                differs = (sees != want).any(-1)  # [batch, new]
+                # a pad query's row is not read, but it tells a mask from padding: transformers gives
+                # it the causal row, or none or every position (a row that would see nothing)
+                head = sees[..., :total]
+                odd_pad = differs & ~head.all(-1) & head.any(-1)
+                real = valid[:, past:]  # [batch, new]
+                if bool((differs & real).any() | (odd_pad & ~real).any()):
+                    what = "a query sees other positions than the causal ones that are not padding"
+        if what is not None:
+            raise InputError(f"[{self.tag}] a 4-D attention_mask ({what}): piecewise's generation step attends each "
+                             "token causally over the non-padding positions, so a custom mask (packed sequences, a "
+                             "prefix attended both ways) would be replaced. Pass a 2-D padding mask [batch, length], or "
+                             "run the model itself, uncompiled (attn_implementation='sdpa')")
 
     def _default_positions(self, valid: torch.Tensor, past: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Position ids ``[1 or batch, new]`` (int64) for a call that passes none, as the model's own
@@ -722,10 +832,16 @@ class GenerationRoute:
         """Before ``generate()`` runs: the batch and prompt plus new tokens fit the KV cache.
 
         Raises:
-            InputError: naming `max_num_seqs` or `max_model_len` (the same limits a step checks), or
-                a token id outside the model's vocabulary, or input_ids that are empty or not
-                integers (int32 and other integer dtypes are served: the steps take int64).
+            InputError: naming `max_num_seqs` or `max_model_len` (the same limits a step checks, with
+                the generated length transformers decides: `_generated_length`), or a token id
+                outside the model's vocabulary, or input_ids that are empty or not integers (int32
+                and other integer dtypes are served: the steps take int64); a cache object that
+                still holds an earlier generate()'s positions (no ``reset()`` between), a cache
+                that quantizes (`cache_kind_problem`, ``cache_implementation='quantized'``);
+                speculative decoding, guidance with the cache on, chunked prefill.
+            ConfigError: a `CompilationConfig.dynamic_shapes` the steps cannot be traced under.
         """
+        self._check_dynamic_shapes()
         gen_cfg = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
         speculative = [k for k in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
                        if kwargs.get(k, getattr(gen_cfg, k, None)) is not None]
@@ -733,6 +849,28 @@ class GenerationRoute:
             raise InputError(f"[{self.tag}] generate({speculative[0]}=...) verifies candidate tokens and rolls the KV cache "
                              "back; piecewise's generation KV cache does not roll back. Generate without it, or generate with the "
                              "model itself, uncompiled (attn_implementation='sdpa')")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and self._is_current(cache) and self._past > 0:
+            # transformers skips the tokens a cache holds, which it reads from the cache's own layers:
+            # a DynamicCache piecewise served has none filled, so a new prompt would be taken for the
+            # next step of the last generation (eager's generate() fails on such a reused cache)
+            raise InputError(f"[{self.tag}] the cache passed to generate() already holds {self._past} positions of an "
+                             "earlier generate() on this model: call cache.reset() between generations (or pass a new "
+                             "cache); continuing a generation from its cache is not supported by piecewise's generation "
+                             "KV cache")
+        if cache is not None:
+            odd = cache_kind_problem(cache)
+            if odd is not None:
+                raise InputError(f"[{self.tag}] generate() was given a {odd}: eager attends what that cache keeps "
+                                 "(quantized keys and values, indexer keys or linear-attention state), piecewise's "
+                                 "generation step its own full-precision KV cache. Generate with the default cache (or "
+                                 "cache_implementation='static'), or with the model itself, uncompiled")
+        implementation = kwargs.get("cache_implementation", getattr(gen_cfg, "cache_implementation", None))
+        if implementation == "quantized":
+            raise InputError(f"[{self.tag}] generate(cache_implementation='quantized') attends quantized keys and values "
+                             "in eager; piecewise's generation step attends its own full-precision KV cache, so tokens "
+                             "would differ. Generate with the default cache (or cache_implementation='static'), or with "
+                             "the model itself, uncompiled")
         guidance = kwargs.get("guidance_scale", getattr(gen_cfg, "guidance_scale", None))
         cached = kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True)) is not False
         if guidance is not None and guidance != 1 and cached:
@@ -753,8 +891,7 @@ class GenerationRoute:
             raise InputError(f"[{self.tag}] generate(prefill_chunk_size={chunk}) feeds the {ids.shape[1]}-token prompt in "
                              "chunks; piecewise's generation step takes a whole prompt at once (up to max_model_len) and "
                              "refuses several new tokens on a cache it already filled. Generate without prefill_chunk_size")
-        new = kwargs.get("max_new_tokens", getattr(gen_cfg, "max_new_tokens", None) if "max_length" not in kwargs else None)
-        total = ids.shape[1] + new if new is not None else kwargs.get("max_length", getattr(gen_cfg, "max_length", None))
+        total = self._generated_length(kwargs, ids.shape[1])
         def setting(name: str) -> int:
             value = kwargs.get(name, getattr(gen_cfg, name, None))
             return value if isinstance(value, int) and value > 1 else 1
@@ -771,6 +908,48 @@ class GenerationRoute:
             raise InputError(f"[{self.tag}] prompt of {ids.shape[1]} tokens plus {total - ids.shape[1]} new ones needs "
                              f"{total - 1} positions (the last new token is not fed back), above {self._length_limit} "
                              "the prompt / max_new_tokens")
+
+    def _check_dynamic_shapes(self) -> None:
+        """ConfigError, before any trace, for a `CompilationConfig.dynamic_shapes` the generation
+        steps cannot be traced under: ``"backed"`` specialises sizes 1, and every decode step feeds
+        one token a sequence (each would be refused); ``"unbacked"`` cannot decide transformers'
+        mask code's branches on the batch size (the trace fails)."""
+        shapes = getattr(self.config, "dynamic_shapes", "backed_size_oblivious")
+        if shapes in ("backed", "unbacked"):
+            raise ConfigError(f"[{self.tag}] CompilationConfig(dynamic_shapes={shapes!r}) cannot serve generation steps: "
+                              + ("it specialises size 1, and every decode step feeds one token a sequence"
+                                 if shapes == "backed" else "transformers' mask code branches on the batch size, which "
+                                 "unbacked sizes cannot decide") + "; compile the model with "
+                              "dynamic_shapes='backed_size_oblivious' (the default) to generate")
+
+    def _generated_length(self, kwargs: dict, prompt_len: int) -> int | None:
+        """The length generate() will stop at (prompt plus new tokens), as transformers decides it:
+        a setting comes from generate()'s keyword arguments, else the ``generation_config`` passed,
+        else the model's ``generation_config`` (the first that is not None); ``max_new_tokens``
+        wins over ``max_length`` wherever each was set; with neither set anywhere, transformers'
+        default of 20 new tokens, capped at the model's ``max_position_embeddings``."""
+        given, own = kwargs.get("generation_config"), getattr(self.model, "generation_config", None)
+
+        def setting(name: str) -> Any:
+            if name in kwargs:
+                return kwargs[name]
+            return next((getattr(c, name) for c in (given, own) if getattr(c, name, None) is not None), None)
+
+        new = setting("max_new_tokens")
+        if isinstance(new, int):
+            return prompt_len + new
+        length = setting("max_length")
+        if length is not None:
+            return length if isinstance(length, int) else None
+        try:
+            from transformers import GenerationConfig
+
+            default = GenerationConfig._get_default_generation_params().get("max_length", 20)
+        except AttributeError:  # a transformers without it: its documented default
+            default = 20
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        total = prompt_len + default
+        return min(total, limit) if isinstance(limit, int) else total
 
     def _check_layers_reach_cache(self, compiled: Any) -> None:
         """After a step's first call (its trace or warm start): every attention layer must have
@@ -899,6 +1078,8 @@ class GenerationRoute:
             cache.crop = crop
             if callable(getattr(type(cache), "reset", None)):
                 cache.reset = _CacheReset(self, cache)
+            if callable(getattr(type(cache), "get_seq_length", None)):
+                cache.get_seq_length = _CacheLength(self, cache)
         except (AttributeError, TypeError):
             pass
         try:
@@ -982,6 +1163,14 @@ def generation_route(module: torch.nn.Module, config: Any, tag: str) -> Generati
                           "itself, uncompiled, built with attn_implementation='sdpa'")
     route = GenerationRoute(module, config, tag)
     check_attention_supported(module, route.max_model_len)
+    generation_config = getattr(module, "generation_config", None)
+    if generation_config is not None and getattr(generation_config, "disable_compile", None) is not True:
+        # With a static cache on an accelerator transformers' generate() wraps the forward in
+        # torch.compile: Dynamo would trace piecewise's route around the compiled steps (graph
+        # breaks, a recompile per batch and length, none of it in piecewise's counters)
+        generation_config.disable_compile = True
+        log.info("[%s] set %s.generation_config.disable_compile = True: generate() runs piecewise's compiled steps, "
+                 "not transformers' own torch.compile of the forward", tag, type(module).__name__)
     route._config_values = config_values(cfg)  # what was checked: an edit before the first call is followed too
     _create_longrope_frequencies(module)
     return route
