@@ -37,12 +37,13 @@ VARIANTS = {
 }
 
 
-def tiny_hf(name: str, seed: int = 0) -> torch.nn.Module:
+def tiny_hf(name: str, seed: int = 0, **extra) -> torch.nn.Module:
     """A tiny transformers decoder (2 layers, hidden 64, SDPA, eval) with every parameter drawn at
     random (biases and norm weights included, which transformers initialises to constants), scaled
-    like the reference decoder's init so greedy choices win by clear margins."""
+    like the reference decoder's init so greedy choices win by clear margins; `extra` overrides
+    config fields."""
     cls_name, overrides = VARIANTS[name]
-    config = getattr(transformers, cls_name)(**{**_TINY, **overrides})
+    config = getattr(transformers, cls_name)(**{**_TINY, **overrides, **extra})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
@@ -473,3 +474,22 @@ def test_a_bad_max_seq_len_is_a_typed_error_for_windowed_models_too(max_seq_len)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     with pytest.raises(ConfigError, match=f"max_seq_len={max_seq_len!r} must be a positive integer"):
         LlamaForCausalLM.from_hf(hf, max_seq_len=max_seq_len)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "qwen3", "mistral"])
+def test_only_the_layers_transformers_runs_are_copied(name):
+    """transformers' forward runs ``self.layers[:config.num_hidden_layers]``: with the config
+    lowered after the model was built, it skips the last layers, which from_hf used to copy and
+    run (other tokens, silently)."""
+    hf = tiny_hf(name, seed=2, num_hidden_layers=3)
+    prompts = make_prompts(3, VOCAB, seed=7, min_len=2, max_len=12)
+    all_three = [hf_greedy(hf, p, 6) for p in prompts]
+    hf.config.num_hidden_layers = 2
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+    assert want != all_three  # the third layer changes the tokens: the comparison means something
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=2, max_seq_len=32)
+    assert model.config.num_layers == len(model.layers) == 2
+    assert greedy_decode(model, prompts, 6, eos_token_ids=model.eos_token_ids).tokens == want
+    hf.config.num_hidden_layers = 0
+    with _no_compile_work(), pytest.raises(ConfigError, match="runs no decoder layers"):
+        LlamaForCausalLM.from_hf(hf)

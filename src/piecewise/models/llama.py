@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -646,13 +647,16 @@ class LlamaForCausalLM(nn.Module):
         type default, linear or llama3. Weights are copied (the HF model is left untouched) onto
         the HF model's device in `dtype` (default: the HF model's); `eos_token_ids` comes from the
         generation config (the model config only for a model without one) for the decode loop.
+        Only the layers transformers' forward runs are copied: the first
+        ``config.num_hidden_layers`` (a config lowered after the model was built runs fewer than
+        it holds).
 
         Args:
             max_num_seqs, max_seq_len: size of the static KV cache (`LlamaConfig`).
 
         Raises:
             ConfigError: another architecture (named, with what is supported), a model without an
-                LM head, an activation other than SiLU, a rope type not in `ROPE_TYPES`, partial
+                LM head, a config that runs no decoder layers, an activation other than SiLU, a rope type not in `ROPE_TYPES`, partial
                 rotary, a sliding window shorter than `max_seq_len`, or weights that do not map
                 one to one. Raised before anything is built or compiled.
         """
@@ -662,6 +666,9 @@ class LlamaForCausalLM(nn.Module):
             model = cls(config, seed=None)
         ours = model.state_dict(keep_vars=True)
         theirs = {_hf_param_name(k): v for k, v in hf_model.state_dict().items()}
+        # layers past config.num_hidden_layers: built, but transformers' forward never runs them
+        theirs = {k: v for k, v in theirs.items()
+                  if not ((m := _LAYER_INDEX.match(k)) and int(m.group(1)) >= config.num_layers)}
         missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
         mismatched = sorted(k for k in set(ours) & set(theirs) if ours[k].shape != theirs[k].shape)
         if missing or unexpected or mismatched:
@@ -756,6 +763,18 @@ def _hf_param_name(name: str) -> str:
     """Our state-dict name for a transformers ``*ForCausalLM`` one."""
     name = name.removeprefix("model.") if name.startswith("model.") else name
     return name.replace(".input_layernorm.", ".input_norm.").replace(".post_attention_layernorm.", ".post_attention_norm.")
+
+
+def _hf_num_layers_run(hf_model: nn.Module) -> int:
+    """How many decoder layers transformers' forward runs: ``self.layers[:config.num_hidden_layers]``
+    (Llama, Mistral, Qwen2 and Qwen3 slice), so a config whose num_hidden_layers was lowered after
+    the model was built runs the first layers only, and the rest are weights it never uses."""
+    built = len(hf_model.model.layers)
+    n = getattr(hf_model.config, "num_hidden_layers", None)
+    return min(built, n) if isinstance(n, int) and not isinstance(n, bool) else built
+
+
+_LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
 
 
 def _hf_eos_token_ids(hf_model: nn.Module) -> tuple[int, ...]:
@@ -863,6 +882,12 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
     if not isinstance(lm_head, nn.Linear) or layers is None or getattr(body, "embed_tokens", None) is None:
         raise ConfigError(f"from_hf: {cls_name} has no language-model head; pass the *ForCausalLM model "
                           "(AutoModelForCausalLM), not the bare decoder")
+    num_run = _hf_num_layers_run(hf_model)
+    if num_run < 1:
+        raise ConfigError(f"from_hf: {cls_name} runs no decoder layers (config.num_hidden_layers="
+                          f"{cfg.num_hidden_layers!r}); the reference decoder needs at least one")
+    skipped = {id(m) for layer in list(layers)[num_run:] for m in layer.modules()}
+    layers = list(layers)[:num_run]  # the layers its forward runs: what the checks below are about
     _check_generation_config(hf_model)
     if lm_head.bias is not None:
         raise ConfigError(f"from_hf: {cls_name}.lm_head has a bias, which the reference decoder does not implement")
@@ -922,7 +947,8 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
     theta = float(theta if theta is not None else 10000.0)
     # What the modules compute with, where it can differ from the config (a config edited after
     # the model was built, a model cast after it was built): their epsilon and frequencies
-    eps = {float(m.variance_epsilon) for m in hf_model.modules() if isinstance(getattr(m, "variance_epsilon", None), float)}
+    eps = {float(m.variance_epsilon) for m in hf_model.modules()
+           if isinstance(getattr(m, "variance_epsilon", None), float) and id(m) not in skipped}
     if len(eps) > 1:
         raise ConfigError(f"from_hf: {cls_name}'s RMSNorm modules use different epsilons {sorted(eps)}; the reference "
                           "decoder has one (rms_norm_eps)")
@@ -936,7 +962,7 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
         vocab_size=embed.shape[0],
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
-        num_layers=len(layers),
+        num_layers=num_run,
         num_heads=num_heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
