@@ -493,3 +493,56 @@ def test_only_the_layers_transformers_runs_are_copied(name):
     hf.config.num_hidden_layers = 0
     with _no_compile_work(), pytest.raises(ConfigError, match="runs no decoder layers"):
         LlamaForCausalLM.from_hf(hf)
+
+
+def _steer(module, args, output):
+    return output + 3.0
+
+
+def _steer_embeddings(module, args, output):
+    return output + 3.0 if isinstance(module, torch.nn.Embedding) else None
+
+
+def _steer_input(module, args, kwargs):
+    return (args[0] + 1.0,), kwargs
+
+
+@pytest.mark.parametrize("kind", ["forward_hook", "pre_hook_with_kwargs", "instance_forward", "global_hook"])
+def test_a_hook_transformers_would_run_is_refused(kind):
+    """from_hf copies weights only: a forward hook, pre-hook or instance-level forward on any of the
+    transformers model's modules (activation steering, say) changed HF's tokens and was silently
+    dropped. Refused, naming the module and the remedy; hooks transformers installs itself pass."""
+    from torch.nn.modules import module as nn_module
+
+    hf = tiny_hf("llama-gqa", seed=1)
+    prompt = [5, 17, 42, 99, 3]
+    plain = hf_greedy(hf, prompt, 6)
+    with torch.no_grad():  # transformers' own output-capturing hooks, left installed
+        hf(torch.tensor([prompt]), output_hidden_states=True)
+    hf.enable_input_require_grads()
+    assert any(m._forward_hooks for m in hf.modules())
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=1, max_seq_len=32)
+    assert greedy_decode(model, [prompt], 6, eos_token_ids=model.eos_token_ids).tokens == [plain]
+    if kind == "forward_hook":
+        handle, where = hf.model.layers[0].register_forward_hook(_steer), "LlamaForCausalLM.model.layers.0 has a forward hook"
+    elif kind == "pre_hook_with_kwargs":
+        handle = hf.model.norm.register_forward_pre_hook(_steer_input, with_kwargs=True)
+        where = "LlamaForCausalLM.model.norm has a forward pre-hook"
+    elif kind == "instance_forward":
+        mlp = hf.model.layers[1].mlp
+        mlp.forward = lambda x: type(mlp).forward(mlp, x) * 2.0
+        handle, where = None, "LlamaForCausalLM.model.layers.1.mlp has its own forward attribute"
+    else:
+        handle, where = nn_module.register_module_forward_hook(_steer_embeddings), "a global forward hook"
+    try:
+        assert hf_greedy(hf, prompt, 6) != plain  # the hook changes transformers' tokens
+        with _no_compile_work(), pytest.raises(
+                ConfigError, match=f"{where}.*Remove the hook.*into the weights.*pw.compile\\(model\\).generate"):
+            LlamaForCausalLM.from_hf(hf)
+    finally:
+        if handle is not None:
+            handle.remove()
+        else:
+            del mlp.forward
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=1, max_seq_len=32)
+    assert greedy_decode(model, [prompt], 6, eos_token_ids=model.eos_token_ids).tokens == [plain]

@@ -656,7 +656,9 @@ class LlamaForCausalLM(nn.Module):
 
         Raises:
             ConfigError: another architecture (named, with what is supported), a model without an
-                LM head, a config that runs no decoder layers, an activation other than SiLU, a rope type not in `ROPE_TYPES`, partial
+                LM head, a config that runs no decoder layers, a forward hook, forward pre-hook or
+                instance-level ``forward`` on any of its modules (or a global module hook) that
+                transformers would run and the copied weights cannot carry, an activation other than SiLU, a rope type not in `ROPE_TYPES`, partial
                 rotary, a sliding window shorter than `max_seq_len`, or weights that do not map
                 one to one. Raised before anything is built or compiled.
         """
@@ -823,6 +825,59 @@ def _hf_silu_class() -> type:
         return nn.SiLU
 
 
+#: forward hooks transformers installs on a plain model, which leave its outputs as they are:
+#: (function module, qualified name)
+_HF_BENIGN_HOOKS = frozenset({
+    # installed by the first forward with output_hidden_states / output_attentions; only records
+    ("transformers.utils.output_capturing", "install_output_capuring_hook.<locals>.output_capturing_hook"),
+    ("transformers.utils.output_capturing", "install_output_capturing_hook.<locals>.output_capturing_hook"),
+    # enable_input_require_grads(): sets requires_grad on the embeddings' output, same values
+    ("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"),
+})
+
+
+def _hook_name(hook: Any) -> str:
+    fn = getattr(hook, "func", hook)  # functools.partial
+    return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _benign_hook(hook: Any) -> bool:
+    fn = getattr(hook, "func", hook)
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) in _HF_BENIGN_HOOKS
+
+
+def _check_no_forward_hooks(hf_model: nn.Module, skipped: set[int]) -> None:
+    """ConfigError when a forward hook, a forward pre-hook, an instance-level ``forward`` or a
+    global module hook can change what the transformers model computes: `from_hf` copies weights
+    only, so the reference decoder would not run it and its tokens would silently differ. Hooks
+    transformers installs itself that only record (`_HF_BENIGN_HOOKS`) pass; modules in `skipped`
+    (layers the model's forward never runs) are not looked at."""
+    from torch.nn.modules import module as nn_module
+
+    cls_name = type(hf_model).__name__
+    remedy = ("the reference decoder copies weights only and would not run it, so its tokens would differ from the "
+              "model's. Remove the hook (its handle's .remove(); an instance-level forward: del module.forward) or put its change into the weights before from_hf, "
+              "or serve the transformers model itself through pw.compile(model).generate(...), which runs it")
+    for kind, hooks in (("global forward hook", nn_module._global_forward_hooks),
+                        ("global forward pre-hook", nn_module._global_forward_pre_hooks)):
+        for hook in hooks.values():
+            if not _benign_hook(hook):
+                raise ConfigError(f"from_hf: a {kind} ({_hook_name(hook)}, torch.nn.modules.module."
+                                  f"register_module_forward{'_pre' if 'pre' in kind else ''}_hook) applies to every "
+                                  f"module of {cls_name}; {remedy}")
+    for name, module in hf_model.named_modules():
+        if id(module) in skipped:
+            continue
+        where = f"{cls_name}.{name}" if name else cls_name
+        if "forward" in module.__dict__:
+            raise ConfigError(f"from_hf: {where} has its own forward attribute ({_hook_name(module.__dict__['forward'])}), "
+                              f"which replaces {type(module).__name__}.forward; {remedy}")
+        for kind, hooks in (("forward hook", module._forward_hooks), ("forward pre-hook", module._forward_pre_hooks)):
+            for hook in hooks.values():
+                if not _benign_hook(hook):
+                    raise ConfigError(f"from_hf: {where} has a {kind} ({_hook_name(hook)}); {remedy}")
+
+
 def _check_generation_config(hf_model: nn.Module) -> None:
     """ConfigError when the model's generation config makes greedy ``generate()`` process its
     logits (`_GREEDY_PROCESSOR_FIELDS`), pick another decoding mode than greedy search, or stop on
@@ -888,6 +943,7 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
                           f"{cfg.num_hidden_layers!r}); the reference decoder needs at least one")
     skipped = {id(m) for layer in list(layers)[num_run:] for m in layer.modules()}
     layers = list(layers)[:num_run]  # the layers its forward runs: what the checks below are about
+    _check_no_forward_hooks(hf_model, skipped)
     _check_generation_config(hf_model)
     if lm_head.bias is not None:
         raise ConfigError(f"from_hf: {cls_name}.lm_head has a bias, which the reference decoder does not implement")
