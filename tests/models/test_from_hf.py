@@ -546,3 +546,31 @@ def test_a_hook_transformers_would_run_is_refused(kind):
             del mlp.forward
     model = LlamaForCausalLM.from_hf(hf, max_num_seqs=1, max_seq_len=32)
     assert greedy_decode(model, [prompt], 6, eos_token_ids=model.eos_token_ids).tokens == [plain]
+
+
+def test_the_decode_loop_takes_transformers_eos_forms_and_refuses_malformed_arguments():
+    """transformers' ``generation_config.eos_token_id`` is often one int (or None): both raised a
+    raw TypeError, as did prompts given flat (one prompt, not a list of them); a step budget
+    above the compiled forward's own max_num_tokens failed mid-run."""
+    hf = tiny_hf("llama-gqa", seed=1)
+    prompt = [5, 17, 42, 99, 3]
+    hf.generation_config.eos_token_id = None
+    free = hf_greedy(hf, prompt, 6)
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=2, max_seq_len=32)
+    assert greedy_decode(model, [prompt], 6, eos_token_ids=hf.generation_config.eos_token_id).tokens == [free]
+    hf.generation_config.eos_token_id = free[2]  # one int, as most checkpoints give it
+    want = hf_greedy(hf, prompt, 6)
+    assert want == free[:3]
+    run = greedy_decode(model, [prompt], 6, eos_token_ids=hf.generation_config.eos_token_id)
+    assert run.tokens == [want] and run.stop_reasons == ["eos"]
+    with pytest.raises(InputError, match=r"eos_token_ids=2.5 \(float\) must be None, a token id or an iterable"):
+        greedy_decode(model, [prompt], 6, eos_token_ids=2.5)
+    with pytest.raises(InputError, match=r"prompts\[0\]=5 is a token id, not a prompt.*\[\[1, 2, 3\]\]"):
+        greedy_decode(model, prompt, 6)
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=8, cache_dir=None), dynamic_arg_dims=DIMS)
+    long_prompt = list(range(1, 13))
+    with _no_compile_work(), pytest.raises(
+            InputError, match=r"max_num_tokens=16 exceeds the compiled forward's CompilationConfig.max_num_tokens=8"):
+        greedy_decode(cm, [long_prompt], 4, max_num_tokens=16)
+    run = greedy_decode(cm, [long_prompt], 4, max_num_tokens=8, eos_token_ids=hf.generation_config.eos_token_id)
+    assert run.tokens == [hf_greedy(hf, long_prompt, 4)]

@@ -98,7 +98,7 @@ def greedy_decode(
     max_seq_len: int | None = None,
     device: torch.device | str = "cpu",
     reset: Callable[[], None] | None = None,
-    eos_token_ids: Iterable[int] = (),
+    eos_token_ids: Iterable[int] | int | None = (),
     config: Any = None,
     max_num_tokens: int | None = None,
     compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -122,7 +122,8 @@ def greedy_decode(
         reset: called once before the first step, e.g. ``model.reset_kv_cache``. Optional: a run
             only reads KV entries it wrote, so stale cache contents do not change its tokens.
         eos_token_ids: a request that generates one of these stops (the token is kept), e.g.
-            ``model.eos_token_ids`` of a model built by `LlamaForCausalLM.from_hf`.
+            ``model.eos_token_ids`` of a model built by `LlamaForCausalLM.from_hf`. One integer
+            (as transformers' ``generation_config.eos_token_id`` often is) is one id; None is none.
         config: the model's `LlamaConfig` (or anything with `max_num_seqs` and `max_seq_len`):
             its KV-cache limits become the defaults and bounds above, checked before the first
             step, so a request that cannot fit fails before anything is compiled. Default: the
@@ -132,7 +133,8 @@ def greedy_decode(
             `CompilationConfig.max_num_tokens`). Requests are fed in admission order until it is
             spent; a prefill that does not fit is fed in chunks over several steps (chunked
             prefill), and a request generates once its whole prompt is in the cache. Default:
-            a pw.compile'd `forward`'s own `CompilationConfig.max_num_tokens`, else no limit.
+            a pw.compile'd `forward`'s own `CompilationConfig.max_num_tokens`, else no limit; a
+            larger value than that is refused.
         compute_logits: when given, `forward` returns hidden states ``[num_tokens, hidden]`` and
             only the rows a request samples from (its last fed token) go through
             ``compute_logits(rows) -> [rows, vocab_size]`` (e.g. a compiled
@@ -140,13 +142,18 @@ def greedy_decode(
             are never projected onto the vocabulary.
 
     Raises:
-        InputError: empty prompts, token ids that are not integers or are outside `config`'s vocabulary, mismatched
+        InputError: empty prompts, `prompts` given as one flat list of token ids (not a list of
+            prompts), token ids that are not integers or are outside `config`'s vocabulary,
+            `eos_token_ids` that is not None, an integer or integers, `max_num_tokens` that is not
+            a positive integer or exceeds a pw.compile'd `forward`'s own
+            `CompilationConfig.max_num_tokens` (both named), mismatched
             or non-integer `arrival_steps` or `max_new_tokens` (numpy and 0-d tensor integers are
             taken), `max_num_seqs` below 1 or above the model's slots, a request too long for
             `max_seq_len` (naming the request, the limit and the config field), or another
             `greedy_decode` running on the same model (found through a compiled model's
             ``.module`` and a backbone's ``.decoder``): both would write the same cache slots.
     """
+    _check_prompts_shape(prompts)
     limits = _counts("max_new_tokens", max_new_tokens, len(prompts), low=1)
     if any(len(p) == 0 for p in prompts):
         raise InputError("every prompt needs at least one token; drop empty prompts")
@@ -163,9 +170,11 @@ def greedy_decode(
     owner = _cache_owner(forward)
     if config is None:  # the model itself: its slots bound the loop's (a model with fewer slots failed mid-run)
         config = getattr(owner, "config", None)
-    if max_num_tokens is None:  # a pw.compile'd forward: its CompilationConfig's budget (a larger step failed mid-run)
-        budget = getattr(getattr(forward, "config", None), "max_num_tokens", None)
-        max_num_tokens = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
+    # a pw.compile'd forward: its CompilationConfig's budget (a larger step failed mid-run)
+    budget = getattr(getattr(forward, "config", None), "max_num_tokens", None)
+    budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
+    if max_num_tokens is None:
+        max_num_tokens = budget
     if config is not None:
         name = type(config).__name__
         vocab = getattr(config, "vocab_size", None)
@@ -193,12 +202,67 @@ def greedy_decode(
     if max_num_tokens is not None and (isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int)
                                        or max_num_tokens < 1):
         raise InputError(f"max_num_tokens={max_num_tokens!r} must be a positive integer")
-    eos = frozenset(int(t) for t in eos_token_ids)
+    if budget is not None and max_num_tokens is not None and max_num_tokens > budget:
+        raise InputError(f"max_num_tokens={max_num_tokens} exceeds the compiled forward's CompilationConfig."
+                         f"max_num_tokens={budget}: a step of more tokens would fail mid-run. Pass max_num_tokens <= "
+                         f"{budget} (or leave it out: the compiled budget is the default), or compile with a larger "
+                         "max_num_tokens")
+    eos = _eos_ids(eos_token_ids)
 
     with _running(owner):
         if reset is not None:
             reset()
         return _serve(forward, prompts, limits, arrivals, max_num_seqs, device, eos, max_num_tokens, compute_logits)
+
+
+def _check_prompts_shape(prompts: Any) -> None:
+    """InputError unless `prompts` is a sequence of prompts, each a sequence (not one flat prompt
+    of token ids, which used to fail with a raw TypeError)."""
+    fix = "prompts is a list of prompts, each a list of token ids; for one prompt pass [prompt], e.g. [[1, 2, 3]]"
+    try:
+        len(prompts)
+    except TypeError:
+        raise InputError(f"prompts={prompts!r} ({type(prompts).__name__}) has no length: {fix}") from None
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, torch.Tensor) and p.ndim > 0):
+            try:
+                operator.index(p)
+            except TypeError:
+                pass
+            else:  # a token id where a prompt belongs: the prompts were given flat
+                raise InputError(f"prompts[{i}]={p!r} is a token id, not a prompt: {fix}")
+        try:
+            len(p)
+        except TypeError:
+            raise InputError(f"prompts[{i}]={p!r} ({type(p).__name__}) is not a sequence of token ids: {fix}") from None
+
+
+def _eos_ids(value: Any) -> frozenset[int]:
+    """`eos_token_ids` as a set of ints: None (no EOS), one integer (as transformers'
+    ``generation_config.eos_token_id`` often is) or an iterable of integers; numpy and tensor
+    integers are taken, anything else is an InputError."""
+    if value is None:
+        return frozenset()
+    if not isinstance(value, bool):
+        try:
+            return frozenset({operator.index(value)})
+        except TypeError:
+            pass
+    try:
+        items = list(value)
+    except TypeError:
+        raise InputError(f"eos_token_ids={value!r} ({type(value).__name__}) must be None, a token id or an "
+                         "iterable of token ids") from None
+    out = set()
+    for t in items:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.add(operator.index(t))
+        except TypeError:
+            raise InputError(f"eos_token_ids={value!r} holds {t!r} ({type(t).__name__}); token ids are "
+                             "integers") from None
+    return frozenset(out)
 
 
 def _counts(name: str, value: Any, n: int, low: int | None) -> list[int]:
