@@ -574,3 +574,70 @@ def test_the_decode_loop_takes_transformers_eos_forms_and_refuses_malformed_argu
         greedy_decode(cm, [long_prompt], 4, max_num_tokens=16)
     run = greedy_decode(cm, [long_prompt], 4, max_num_tokens=8, eos_token_ids=hf.generation_config.eos_token_id)
     assert run.tokens == [hf_greedy(hf, long_prompt, 4)]
+
+
+def _compiled(hf):
+    return torch.compile(hf)
+
+
+def _no_op_generation_fields(hf):
+    free = hf_greedy(hf, [5, 17, 42, 99, 3], 6)
+    hf.generation_config.eos_token_id = None
+    hf.config.eos_token_id = free[1]  # were it read, min_new_tokens would hold it back
+    hf.generation_config.suppress_tokens = []  # masks nothing
+    hf.generation_config.begin_suppress_tokens = []
+    hf.generation_config.min_new_tokens = 5  # built only with an EOS token
+    return hf
+
+
+@pytest.mark.parametrize(("extra", "setup"), [
+    (dict(hidden_act="swish"), None),
+    ({}, _compiled),
+    (dict(rms_norm_eps=0.0), None),
+    ({}, _no_op_generation_fields),
+], ids=["swish", "torch-compiled", "eps-0", "no-op-generation-fields"])
+def test_what_transformers_computes_as_plain_llama_is_accepted(extra, setup):
+    """Each was refused though transformers' greedy generate() computes plain Llama: hidden_act
+    'swish' (nn.SiLU), a
+    torch.compile'd model, rms_norm_eps=0, and generation-config fields whose processors do nothing
+    (suppress_tokens=[], min_new_tokens without an EOS token)."""
+    hf = tiny_hf("llama-gqa", seed=1, **extra)
+    if setup is not None:
+        hf = setup(hf)
+    prompts = make_prompts(3, VOCAB, seed=8, min_len=12, max_len=20)
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+    model = LlamaForCausalLM.from_hf(hf, max_num_seqs=2, max_seq_len=32)
+    assert greedy_decode(model, prompts, 6, eos_token_ids=model.eos_token_ids).tokens == want
+    if "rms_norm_eps" in extra:
+        assert model.config.rms_norm_eps == 0.0
+
+
+def test_a_stray_window_on_a_llama_config_changes_what_transformers_generates():
+    """Llama's attention ignores config.sliding_window (a forward's logits are the same), but
+    generate()'s cache keeps only the last sliding_window - 1 keys of each layer layer_types names
+    sliding (every layer when it is unset): accepting such a config whole, as asked, would decode
+    other tokens than generate(). Refused with why and the fix; within the window, or with
+    layer_types all full attention, the tokens are generate()'s."""
+    plain = tiny_hf("llama-gqa", seed=1)
+    stray = tiny_hf("llama-gqa", seed=1, sliding_window=8)
+    prompts = make_prompts(3, VOCAB, seed=8, min_len=12, max_len=20)
+    x = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        assert torch.equal(stray(x).logits, plain(x).logits)
+    full = [hf_greedy(plain, p, 6) for p in prompts]
+    assert [hf_greedy(stray, p, 6) for p in prompts] != full  # generate() decodes windowed
+    with _no_compile_work(), pytest.raises(ConfigError, match=r"its attention ignores but transformers' generate\(\) "
+                                                              r"does not.*max_seq_len <= 8 .*sliding_window = None"):
+        LlamaForCausalLM.from_hf(stray, max_seq_len=32)
+    short = make_prompts(3, VOCAB, seed=8, min_len=2, max_len=3)  # at most 3 + 6 - 1 = 8 positions
+    model = LlamaForCausalLM.from_hf(stray, max_num_seqs=2, max_seq_len=8)
+    assert greedy_decode(model, short, 6, eos_token_ids=model.eos_token_ids).tokens == [hf_greedy(stray, p, 6)
+                                                                                         for p in short]
+    full_types = tiny_hf("llama-gqa", seed=1, sliding_window=8, layer_types=["full_attention"] * 2)
+    assert [hf_greedy(full_types, p, 6) for p in prompts] == full
+    model = LlamaForCausalLM.from_hf(full_types, max_num_seqs=2, max_seq_len=32)
+    assert greedy_decode(model, prompts, 6, eos_token_ids=model.eos_token_ids).tokens == full
+    stray.config.sliding_window = None  # the fix the message names
+    model = LlamaForCausalLM.from_hf(stray, max_num_seqs=2, max_seq_len=32)
+    assert [hf_greedy(stray, p, 6) for p in prompts] == full
+    assert greedy_decode(model, prompts, 6, eos_token_ids=model.eos_token_ids).tokens == full

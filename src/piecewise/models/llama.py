@@ -88,10 +88,12 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"LlamaConfig.head_dim={self.head_dim} must be even; rotary embedding rotates pairs")
-        for name in ("rope_theta", "rms_norm_eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ConfigError(f"LlamaConfig.{name}={value!r} must be a positive number")
+        value = self.rope_theta
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ConfigError(f"LlamaConfig.rope_theta={value!r} must be a positive number")
+        value = self.rms_norm_eps  # 0 is transformers' too: rsqrt(mean(x^2)) alone
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+            raise ConfigError(f"LlamaConfig.rms_norm_eps={value!r} must be a finite number >= 0")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ConfigError(f"LlamaConfig.dtype={self.dtype!r} must be a floating torch.dtype, e.g. torch.float32")
         for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings"):
@@ -640,7 +642,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> LlamaForCausalLM:
         """The reference decoder with the weights of a transformers Llama-architecture decoder.
 
-        Accepts a ``*ForCausalLM`` of model type llama, mistral, qwen2 or qwen3 (`SUPPORTED_HF_MODEL_TYPES`):
+        Accepts a ``*ForCausalLM`` of model type llama, mistral, qwen2 or qwen3 (`SUPPORTED_HF_MODEL_TYPES`),
+        or one wrapped by ``torch.compile`` (its ``_orig_mod`` is read):
         grouped-query attention, `head_dim` from the config, q/k/v/o and MLP biases where the
         checkpoint has them, per-head q/k norms (Qwen3), tied or untied embeddings (tied stay tied:
         `lm_head` shares `embed_tokens`' weight), RMSNorm epsilon, rope theta and rope scaling of
@@ -658,10 +661,15 @@ class LlamaForCausalLM(nn.Module):
             ConfigError: another architecture (named, with what is supported), a model without an
                 LM head, a config that runs no decoder layers, a forward hook, forward pre-hook or
                 instance-level ``forward`` on any of its modules (or a global module hook) that
-                transformers would run and the copied weights cannot carry, an activation other than SiLU, a rope type not in `ROPE_TYPES`, partial
-                rotary, a sliding window shorter than `max_seq_len`, or weights that do not map
-                one to one. Raised before anything is built or compiled.
+                transformers would run and the copied weights cannot carry, an activation other than
+                SiLU (or its alias swish), a rope type not in `ROPE_TYPES`, partial rotary, a sliding
+                window shorter than `max_seq_len` (a Llama config carrying one too: its attention
+                ignores it, but transformers' generate() cache keeps only that many keys), a
+                generation config whose greedy ``generate()`` is not plain greedy
+                search, or weights that do not map one to one. Raised before anything is built or
+                compiled.
         """
+        hf_model = _unwrap_compiled(hf_model)
         config, tied = _config_from_hf(hf_model, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, dtype=dtype)
         device = next(hf_model.parameters()).device
         with torch.device("meta"):
@@ -761,10 +769,31 @@ class LlamaBackbone(nn.Module):
 SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+#: model types whose transformers attention honours ``config.sliding_window`` (Llama's ignores it;
+#: its generate() cache does not: `_config_from_hf`)
+_WINDOWED_MODEL_TYPES = ("mistral", "qwen2", "qwen3")
+
+
 def _hf_param_name(name: str) -> str:
     """Our state-dict name for a transformers ``*ForCausalLM`` one."""
     name = name.removeprefix("model.") if name.startswith("model.") else name
     return name.replace(".input_layernorm.", ".input_norm.").replace(".post_attention_layernorm.", ".post_attention_norm.")
+
+
+def _unwrap_compiled(hf_model: nn.Module) -> nn.Module:
+    """The model `torch.compile(model)` wraps (an ``OptimizedModule``; its ``_orig_mod``): the same
+    forward, compiled, so the same weights and tokens. ConfigError for a hook on the wrapper itself,
+    which its calls would run."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while isinstance(hf_model, OptimizedModule):
+        hooks = [_hook_name(h) for d in (hf_model._forward_hooks, hf_model._forward_pre_hooks) for h in d.values()]
+        if hooks:
+            raise ConfigError(f"from_hf: the torch.compile wrapper (OptimizedModule) of {type(hf_model._orig_mod).__name__} "
+                              f"has forward hooks {hooks}; the reference decoder copies weights only and would not "
+                              "run them. Remove them, or serve the model through pw.compile(model).generate(...)")
+        hf_model = hf_model._orig_mod
+    return hf_model
 
 
 def _hf_num_layers_run(hf_model: nn.Module) -> int:
@@ -802,8 +831,9 @@ _GREEDY_PROCESSOR_FIELDS: dict[str, Callable[[Any], bool]] = {
     "num_beams": lambda v: v is None or v == 1,
     "bad_words_ids": lambda v: v is None,
     "sequence_bias": lambda v: v is None,
-    "suppress_tokens": lambda v: v is None,
-    "begin_suppress_tokens": lambda v: v is None,
+    # an empty list builds a processor that masks nothing
+    "suppress_tokens": lambda v: v is None or (hasattr(v, "__len__") and len(v) == 0),
+    "begin_suppress_tokens": lambda v: v is None or (hasattr(v, "__len__") and len(v) == 0),
     "forced_bos_token_id": lambda v: v is None,
     "forced_eos_token_id": lambda v: v is None,
     "min_length": lambda v: not v,
@@ -813,6 +843,10 @@ _GREEDY_PROCESSOR_FIELDS: dict[str, Callable[[Any], bool]] = {
     "remove_invalid_values": lambda v: not v,
     "watermarking_config": lambda v: v is None,
 }
+
+
+#: `_GREEDY_PROCESSOR_FIELDS` whose processor transformers builds only with an EOS token to hold back
+_EOS_ONLY_FIELDS = ("min_length", "min_new_tokens")
 
 
 def _hf_silu_class() -> type:
@@ -885,8 +919,10 @@ def _check_generation_config(hf_model: nn.Module) -> None:
     gen = getattr(hf_model, "generation_config", None)
     if gen is None:
         return
+    # the minimum-length processors hold back EOS: transformers builds them only when there is one
+    no_eos = () if _hf_eos_token_ids(hf_model) else _EOS_ONLY_FIELDS
     set_ = [f"{name}={getattr(gen, name)!r}" for name, default in _GREEDY_PROCESSOR_FIELDS.items()
-            if not default(getattr(gen, name, None))]
+            if not default(getattr(gen, name, None)) and name not in no_eos]
     if set_:
         raise ConfigError(
             f"from_hf: {type(hf_model).__name__}.generation_config sets {', '.join(set_)}, which transformers' greedy "
@@ -948,7 +984,7 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
     if lm_head.bias is not None:
         raise ConfigError(f"from_hf: {cls_name}.lm_head has a bias, which the reference decoder does not implement")
     act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' ACT2FN["swish"] is nn.SiLU
         raise ConfigError(f"from_hf: {cls_name} uses hidden_act={act!r}; the reference decoder's MLP is SwiGLU (silu)")
     # what each MLP calls: bound at construction, so a config edited afterwards does not change it
     acts = sorted({type(getattr(layer.mlp, "act_fn", None)).__name__ for layer in layers
@@ -990,11 +1026,20 @@ def _config_from_hf(hf_model: nn.Module, *, max_num_seqs: int, max_seq_len: int,
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)
     # Mistral windows every layer whenever sliding_window is set (its mask ignores layer_types);
-    # Qwen2 and Qwen3 window the layers layer_types names
+    # Qwen2 and Qwen3 window the layers layer_types names. Llama's attention and mask read neither
+    # field, but generate()'s cache does (DynamicCache(config=...): a layer that layer_types names
+    # sliding, or every layer when layer_types is unset, keeps only its last sliding_window - 1
+    # keys), so a Llama config carrying a stray window generates windowed past that many tokens
     windowed = window is not None and (model_type == "mistral" or layer_types is None or "sliding_attention" in layer_types)
     if windowed and max_seq_len > window:
-        raise ConfigError(f"from_hf: {cls_name} attends within a sliding window of {window} tokens and the reference "
-                          f"attention is fully causal; use max_seq_len <= {window} (got {max_seq_len})")
+        how = ("attends within a sliding window of" if model_type in _WINDOWED_MODEL_TYPES else
+               "has config.sliding_window set, which its attention ignores but transformers' generate() does not: "
+               "its KV cache (DynamicCache from the config) keeps only the keys of the last")
+        raise ConfigError(f"from_hf: {cls_name} {how} {window} tokens and the reference attention is fully causal; use "
+                          f"max_seq_len <= {window} (got {max_seq_len})"
+                          + ("" if model_type in _WINDOWED_MODEL_TYPES else
+                             ", or set hf_model.config.sliding_window = None first (transformers then generates fully "
+                             "causally too)"))
 
     attn, mlp = layers[0].self_attn, layers[0].mlp
     embed = body.embed_tokens.weight
