@@ -749,6 +749,37 @@ def test_transformers_generate_replays_decode_graphs_and_equals_eager(tmp_path):
         assert len(entries) >= 3 and [e.size for e in entries if e.copied] == []
 
 
+def test_a_decode_step_with_graphs_that_took_the_batch_size_serves_other_batches_without_graphs(tmp_path):
+    """GPT-2 under Inductor: the decode step with graphs traced at batch 2 holds for batches of 2
+    and more only (the trace took ``Ne(batch, 1)`` in its strides), so a later batch-1 generate()
+    was refused with SizeRefusedError, where the general step traces again. Now that call runs on
+    the general step without graphs, with the eager tokens and no recompile."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from piecewise.models import hf
+
+    hf.register_hf_attention()
+    cfg = dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=512, pad_token_id=0, bos_token_id=1,
+               eos_token_id=None)
+
+    def build(attn):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(GPT2Config(**cfg), attn_implementation=attn).eval()
+
+    ref = build("sdpa")
+    with fake_cpu_platform():
+        cm = pw.compile(build("piecewise"), CompilationConfig(backend="inductor", max_num_seqs=4, max_model_len=64,
+                                                               cache_dir=str(tmp_path)))
+        with counters.expect(recompiles=0):
+            for batch in (2, 1, 2):
+                ids = torch.randint(3, 512, (batch, 6), generator=torch.Generator().manual_seed(batch))
+                kw = dict(max_new_tokens=4, do_sample=False)
+                with torch.no_grad():
+                    want = ref.generate(ids, **kw)
+                assert torch.equal(cm.generate(ids, **kw), want), batch
+        assert counters.by_tag[f"{cm.tag}_generate_decode"].graph_replays > 0
+
+
 @pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
 def test_transformers_generate_replays_full_decode_graphs(mode, tmp_path, caplog):
     """With full graphs the decode step's attention op is captured inside the graph, where no

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..backend import size_refusals_handled
-from ..errors import ConfigError, InputError, SizeRefusedError
+from ..errors import CaptureError, ConfigError, InputError, SizeRefusedError
 from ..forward_context import RuntimeMode, current_forward_context
 from ..graphs.dispatch import batch_hint
 from ..ops import splitting_op
@@ -469,6 +469,8 @@ class GenerationRoute:
         #: per (kind of logits, one new token?), which general step served the last such call
         self._served_last: dict[tuple[bool, bool], int] = {}
         self._graphs: bool | None = None
+        #: the decode step with graphs failed to capture: decode steps run on a general step
+        self._decode_graphs_off = False
         self.kv_valid: torch.Tensor | None = None
         self._cache_ref: Any = None
         self._past = 0
@@ -691,14 +693,28 @@ class GenerationRoute:
             # address: its batch is then the only dynamic size); the general step the batch's rows.
             # Its batches are uniform decode (one new token a row), so `full_and_piecewise` replays
             # full graphs there.
-            def run(step: Any) -> torch.Tensor:
-                with batch_hint(uniform_decode=True) if decode_step else contextlib.nullcontext():
+            def run(step: Any, graphs: bool = False) -> torch.Tensor:
+                with batch_hint(uniform_decode=True) if graphs else contextlib.nullcontext():
                     return step(input_ids, position_ids.expand(batch, new).contiguous(), write_pos,
-                                valid if decode_step else valid[:batch])
+                                valid if graphs else valid[:batch])
 
+            logits = None
             if decode_step:
-                logits = run(compiled)
-            else:
+                try:
+                    with size_refusals_handled():
+                        logits = run(compiled, graphs=True)
+                except (SizeRefusedError, CaptureError) as e:
+                    # The decode step's trace took the batch size somewhere (GPT-2's strides at batch
+                    # 1, Phi-3's cache write): this call, or every decode step after a failed
+                    # capture, runs on a general step instead (no graphs), as eager serves it
+                    if isinstance(e, CaptureError):
+                        self._decode_graphs_off = True
+                    log.log(logging.WARNING if isinstance(e, CaptureError) else logging.INFO,
+                            "[%s] the decode step with graphs %s batch %d (%s); %s runs on the general step, without "
+                            "graphs", self.tag, "failed to capture at" if isinstance(e, CaptureError) else "refused",
+                            batch, e, "every decode step" if isinstance(e, CaptureError) else "this call")
+                    compiled = self._ensure_compiled(input_ids.device, last_only, decode=False)
+            if logits is None:
                 compiled, logits = self._run_general(compiled, last_only, new == 1, input_ids.device, run)
         finally:
             _step_attention.reset(step_token)
@@ -1102,7 +1118,7 @@ class GenerationRoute:
         (tag ``<tag>_generate_decode``, see the module doc). A `number` above 1 makes another
         general step (tag suffix ``_<number>``) for calls the earlier ones refused
         (`_run_general`)."""
-        decode = decode and last_only and self._graphs_apply(device)
+        decode = decode and last_only and self._graphs_apply(device) and not self._decode_graphs_off
         key = (last_only, decode) if number == 1 else (last_only, False, number)
         if key in self.compiled:
             return self.compiled[key]
