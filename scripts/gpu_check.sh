@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# GPU check, meant for a machine with one CUDA GPU and ~10 minutes: installs piecewise (torch from
-# the machine if present, else the pinned requirements), runs the GPU test tier, then a decode-step
-# benchmark (eager, torch.compile default and reduce-overhead, piecewise graphs, full graphs and Inductor
-# partitions), run twice in new processes: cold caches, then warm, then the per-piece host-cost table
-# (piecewise.bench.overhead). Output under $OUT if set.
+# GPU check, meant for a machine with one CUDA GPU and ~9 minutes: installs piecewise (torch from
+# the machine if present, else the pinned requirements), then, each phase under its own wall limit so
+# a slow one leaves the rest their time (budgets in seconds, overridable by the variables named):
+#   1. the GPU test tier (TESTS_S): generation on CUDA first (both paths, Inductor + CUDA graphs),
+#      then graph capture;
+#   2. the generation benchmark on CUDA (BENCH_GEN_S): SmolLM2-shaped, bf16, batch 1 and 8, HF eager,
+#      transformers' static-cache auto-compile, piecewise generate(), piecewise engine; cold + warm;
+#   3. the decode-step benchmark (eager, torch.compile default and reduce-overhead, piecewise graphs,
+#      full graphs and Inductor partitions), cold caches then warm (BENCH_COLD_S, BENCH_WARM_S);
+#   4. the per-piece host-cost table (BENCH_OVERHEAD_S).
+# Output under $OUT if set, at most 8 files: gpu_check.log (everything), gpu_tests.log,
+# generation.{md,json}, gpu_bench_{cold,warm}.json, gpu_overhead.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/piecewise-gpu-check}"
 mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 export PIECEWISE_CACHE_DIR="${PIECEWISE_CACHE_DIR:-/tmp/piecewise-gpu-cache}"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/piecewise-gpu-inductor}"
@@ -18,14 +26,23 @@ if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
   $PY -m pip install -q -r requirements.txt
 fi
 $PY -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || $PY -m pip install -q --no-deps -e .
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$OUT/env.txt" || true
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'transformers', transformers.__version__)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 || true
 set +e
-timeout ${TESTS_S:-240} $PY -m pytest -q -m gpu tests/graphs/test_gpu.py -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/gpu_tests.log"
+phase() { echo "== $1 ($(date -u +%T))"; }
+phase "GPU tests"
+timeout ${TESTS_S:-140} $PY -m pytest -q -m gpu tests/models/test_gpu_generate.py tests/graphs/test_gpu.py \
+  -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
-# Wall limits per phase keep the whole check inside a 10-minute lease (16-core H200 machine).
-timeout ${BENCH_COLD_S:-210} $PY -m piecewise.bench.gpu_decode --json "$OUT/gpu_bench_cold.json" 2>&1 | tee "$OUT/gpu_bench_cold.md"
-timeout ${BENCH_WARM_S:-90} $PY -m piecewise.bench.gpu_decode --json "$OUT/gpu_bench_warm.json" 2>&1 | tee "$OUT/gpu_bench_warm.md"
+phase "generation benchmark"
+timeout ${BENCH_GEN_S:-230} $PY -m piecewise.bench.generation --device cuda --rounds 1 --paired-rounds 0 --timeout 150 \
+  --out "$OUT"
+phase "decode-step benchmark, cold"
+timeout ${BENCH_COLD_S:-70} $PY -m piecewise.bench.gpu_decode --steps 50 --json "$OUT/gpu_bench_cold.json"
+phase "decode-step benchmark, warm"
+timeout ${BENCH_WARM_S:-45} $PY -m piecewise.bench.gpu_decode --steps 50 --json "$OUT/gpu_bench_warm.json"
 # Host cost per piece against its floor (16 layers whose splitting op only clones; #15 item 1).
-timeout ${BENCH_OVERHEAD_S:-60} $PY -m piecewise.bench.overhead --json "$OUT/gpu_overhead.json" 2>&1 | tee "$OUT/gpu_overhead.md"
+phase "host cost per piece"
+timeout ${BENCH_OVERHEAD_S:-25} $PY -m piecewise.bench.overhead --json "$OUT/gpu_overhead.json"
+phase "done, tests exit $rc"
 exit $rc

