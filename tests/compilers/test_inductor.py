@@ -64,3 +64,62 @@ def test_two_split_model_inductor_equals_eager_every_size():
         for n in range(1, 25):
             x = torch.randn(n, 8)
             torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class CantSplit(Exception):
+    """Named as Inductor's Triton tiling error (`torch._inductor.codegen.simd.CantSplit`)."""
+
+
+class TilingFault(CustomGraphPass):
+    """Raises ``CantSplit`` in every compile whose Inductor config has not the patches in `until`
+    (always, with ``until=None``), as Triton's tiling did for a piece with two dynamic sizes on an
+    H200 (torch 2.11); counts the compiles it saw."""
+
+    def __init__(self, until: dict | None):
+        self.until, self.calls = until, 0
+        self._uuid = uuid.uuid4().hex
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch._inductor import config
+
+        self.calls += 1
+        if self.until is None or any(config.get_config_copy()[k] != v for k, v in self.until.items()):
+            raise CantSplit("64*s70 not divisible by s44*s70")
+
+    def uuid(self):
+        return self._uuid
+
+
+def test_a_piece_whose_kernel_cannot_be_tiled_compiles_again_untiled_and_equals_eager(caplog):
+    """CantSplit from Inductor's tiling is a code-generation limit, not a fault of the graph: the
+    piece compiles again with one-dimensional tiling (then also without loop reordering), logged,
+    with eager's values. Any other error, or CantSplit on every rung, is a CompileError naming each
+    attempt."""
+    from piecewise.compilers.inductor import UNTILED_PATCHES
+
+    model = TwoSplitModel()
+    for until in UNTILED_PATCHES:
+        fault = TilingFault(until)
+        cfg = CompilationConfig(backend="inductor", max_num_tokens=24, inductor_options={"post_grad_custom_post_pass": fault})
+        with caplog.at_level("WARNING", logger="piecewise"):
+            cm = pw.compile(model, cfg, dynamic_arg_dims={"x": 0})
+            for n in (1, 7, 24):
+                x = torch.randn(n, 8)
+                torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-4)
+        assert f"compiled it with {until}" in caplog.text
+        assert fault.calls >= 2 * 3  # each distinct piece failed once, then compiled untiled
+        caplog.clear()
+        torch._dynamo.reset()
+
+    fault = TilingFault(None)
+    cm = pw.compile(model, CompilationConfig(backend="inductor", max_num_tokens=24,
+                                             inductor_options={"post_grad_custom_post_pass": fault}),
+                    dynamic_arg_dims={"x": 0})
+    try:
+        cm(torch.randn(3, 8))
+    except pw.CompileError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a piece no rung compiles must raise CompileError")
+    assert message.count("CantSplit") == 1 + len(UNTILED_PATCHES) and "then with" in message
+    assert fault.calls == 1 + len(UNTILED_PATCHES)

@@ -128,14 +128,17 @@ class InductorAdaptor(CompilerAdaptor):
         try:
             art = self._standalone_compile(graph, example_inputs, target)
         except Exception as e:
-            if not isa_record.probe_if_assumed(self._root):
+            if _cant_split(e):
+                art = self._compile_untiled(graph, example_inputs, target, e)
+            elif not isa_record.probe_if_assumed(self._root):
                 raise CompileError(f"Inductor failed to compile a piece for {target.label}: {type(e).__name__}: {e}") from e
-            # the compiler rejected the vector ISA assumed from the CPU's flags; its probe answered otherwise
-            try:
-                art = self._standalone_compile(graph, example_inputs, target)
-            except Exception as e2:
-                raise CompileError(f"Inductor failed to compile a piece for {target.label}: {type(e2).__name__}: "
-                                   f"{e2}") from e2
+            else:
+                # the compiler rejected the vector ISA assumed from the CPU's flags; its probe answered otherwise
+                try:
+                    art = self._standalone_compile(graph, example_inputs, target)
+                except Exception as e2:
+                    raise CompileError(f"Inductor failed to compile a piece for {target.label}: {type(e2).__name__}: "
+                                       f"{e2}") from e2
         try:
             payload = art.serialize()
         except Exception as e:  # unserialisable graph: still usable, just not cached
@@ -144,10 +147,36 @@ class InductorAdaptor(CompilerAdaptor):
             payload = None
         return CompiledPiece(art, payload)
 
-    def _standalone_compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget) -> Any:
+    def _compile_untiled(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget,
+                         first: Exception) -> Any:
+        """Compile again after Inductor's Triton code generation could not fit a kernel's loops into
+        its tiling (``CantSplit``), with the rungs of `UNTILED_PATCHES` in turn; CompileError naming
+        every attempt when none compiles.
+
+        Seen with torch 2.11 on an H200: a transformers decoder's prompt step, whose pieces have two
+        dynamic sizes (batch and new tokens), failed with ``CantSplit: 64*s70 not divisible by
+        s44*s70``: a kernel's loops merged into ``new_tokens x hidden`` while its tiling had a
+        ``batch x new_tokens`` group, a split Inductor cannot prove for symbolic sizes. Tiling and
+        loop order are code-generation choices only: the kernels compute the same values."""
+        errors = [f"{type(first).__name__}: {first}"]
+        for patches in UNTILED_PATCHES:
+            try:
+                art = self._standalone_compile(graph, example_inputs, target, extra_patches=patches)
+            except Exception as e:
+                errors.append(f"with {patches}: {type(e).__name__}: {e}")
+                if _cant_split(e):
+                    continue
+                break
+            log.warning("Inductor could not tile a kernel of a piece for %s (%s); compiled it with %s instead",
+                        target.label, str(first).splitlines()[0][:200], patches)
+            return art
+        raise CompileError(f"Inductor failed to compile a piece for {target.label}: " + "; then ".join(errors)) from first
+
+    def _standalone_compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget,
+                            extra_patches: dict[str, Any] | None = None) -> Any:
         from torch._inductor import standalone_compile
 
-        options = {"config_patches": self._patches_for(target)}
+        options = {"config_patches": {**self._patches_for(target), **(extra_patches or {})}}
         aliases = storage_aliases(example_inputs)
         if aliases:
             # Inputs on one storage (a buffer that views another): Inductor's graph cache key leaves
@@ -391,3 +420,24 @@ def dispatch_symbol(example_inputs: Sequence[Any]):
                 if isinstance(s, torch.SymInt) and len(s.node.expr.free_symbols) == 1:
                     return next(iter(s.node.expr.free_symbols))
     return None
+
+
+#: Inductor config patches tried in turn when a piece's Triton code generation raises CantSplit
+#: (`InductorAdaptor._compile_untiled`): one-dimensional pointwise tiling, then also no loop
+#: reordering at fusion (which can merge a node's loops into an order the kernel's groups cannot take).
+UNTILED_PATCHES: tuple[dict[str, Any], ...] = (
+    {"triton.max_tiles": 1},
+    {"triton.max_tiles": 1, "loop_ordering_after_fusion": False},
+)
+
+
+def _cant_split(e: BaseException) -> bool:
+    """Whether `e` (or an exception it chains) is Inductor's ``CantSplit`` from tiling a kernel."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if type(cur).__name__ == "CantSplit" or "CantSplit" in str(cur).split("\n", 1)[0]:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
