@@ -123,3 +123,29 @@ def test_a_piece_whose_kernel_cannot_be_tiled_compiles_again_untiled_and_equals_
         raise AssertionError("a piece no rung compiles must raise CompileError")
     assert message.count("CantSplit") == 1 + len(UNTILED_PATCHES) and "then with" in message
     assert fault.calls == 1 + len(UNTILED_PATCHES)
+
+
+def test_a_size_symbol_an_earlier_compile_left_unbound_does_not_fail_the_next_piece(monkeypatch):
+    """Pieces compile in the trace's one shape environment. A compile that leaves a fresh
+    data-dependent size symbol unbound (torch 2.11 on CUDA did, in generate()'s decode step) made
+    the next piece's compile fail with PendingUnbackedSymbolNotFound; a symbol none of the next
+    piece's inputs holds is now dropped first, and the values equal eager's."""
+    from piecewise.compilers.inductor import InductorAdaptor
+
+    real = InductorAdaptor._standalone_compile_with
+    leaked = []
+
+    def leaky(self, standalone_compile, graph, example_inputs, target, options):
+        art = real(self, standalone_compile, graph, example_inputs, target, options)
+        mode = torch._guards.detect_fake_mode(list(example_inputs))
+        leaked.append(mode.shape_env.create_unbacked_symint())  # made and never bound, as the leak was
+        return art
+
+    monkeypatch.setattr(InductorAdaptor, "_standalone_compile_with", leaky)
+    model = TwoSplitModel()
+    cm = pw.compile(model, CompilationConfig(backend="inductor", max_num_tokens=24), dynamic_arg_dims={"x": 0})
+    with counters.expect(recompiles=0):
+        for n in (3, 1, 24):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-4)
+    assert len(leaked) >= 3  # every distinct piece compiled after the first one's leak

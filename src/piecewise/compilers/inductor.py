@@ -125,6 +125,7 @@ class InductorAdaptor(CompilerAdaptor):
         return CompiledPiece(PartitionedCallable(piece.fn, slots), piece.payload)
 
     def _compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget) -> CompiledPiece:
+        _drop_orphan_unbacked_symbols(example_inputs)
         try:
             art = self._standalone_compile(graph, example_inputs, target)
         except Exception as e:
@@ -160,6 +161,7 @@ class InductorAdaptor(CompilerAdaptor):
         loop order are code-generation choices only: the kernels compute the same values."""
         errors = [f"{type(first).__name__}: {first}"]
         for patches in UNTILED_PATCHES:
+            _drop_orphan_unbacked_symbols(example_inputs)  # the failed attempt may have left some
             try:
                 art = self._standalone_compile(graph, example_inputs, target, extra_patches=patches)
             except Exception as e:
@@ -441,3 +443,35 @@ def _cant_split(e: BaseException) -> bool:
             return True
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def _drop_orphan_unbacked_symbols(example_inputs: Sequence[Any]) -> None:
+    """Forget the data-dependent (unbacked) size symbols the trace's shape environment still holds
+    as freshly made but unbound, where none of them occurs in `example_inputs`' sizes, strides or
+    values: nothing this compile traces can refer to them.
+
+    Each piece compiles in the one shape environment of the whole trace (``from_tracing_context``),
+    and Inductor's tracing of a piece refuses to start while such a symbol is pending
+    (``PendingUnbackedSymbolNotFound``: "Pending unbacked symbols {u4} not in returned outputs
+    [the piece's inputs]"). Seen with torch 2.11 on an H200: the decode step of transformers
+    ``generate()`` compiled its first piece and the second one failed so; an earlier compile (or a
+    fake run between pieces) had made the symbol and left it unbound. Symbols that do occur in the
+    inputs stay pending, for the trace to bind as usual."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    mode = detect_fake_mode(list(example_inputs))
+    env = getattr(mode, "shape_env", None)
+    pending = getattr(env, "pending_fresh_unbacked_symbols", None)
+    if not pending:
+        return
+    used: set[Any] = set()
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            used |= free_unbacked_symbols((*x.shape, *x.stride(), x.storage_offset()))
+        elif isinstance(x, torch.SymInt):
+            used |= free_unbacked_symbols(x)
+    orphans = [s for s in pending if s not in used]
+    if orphans:
+        log.debug("dropping unbound data-dependent size symbols %s before compiling a piece", orphans)
+        pending[:] = [s for s in pending if s in used]
