@@ -121,7 +121,7 @@ def test_generation_table_ratios_against_the_recipe_per_round_and_failures():
     row = dict(batch=1, first_total_s=0.0, total_s=0.0, recompiles=0, ttft_s=0.2)
     results = [
         {**row, "system": "hf_compile_static", "phase": "cold", "first_ttft_s": 60.0, "decode_tok_s": 10.0},
-        {**row, "system": "pw_generate", "phase": "cold", "first_ttft_s": 30.0, "decode_tok_s": 40.0},
+        {**row, "system": "pw_generate", "phase": "cold", "first_ttft_s": 30.0, "decode_tok_s": 40.0, "first_total_s": 42.0},
         {"system": "pw_engine", "batch": 1, "phase": "cold", "error": ["timed out after 900 s"]},
     ]
     for rnd, (recipe, pw, rate) in enumerate([(8.0, 2.0, 20.0), (10.0, 3.0, 10.0), (12.0, 6.0, 20.0)]):
@@ -136,10 +136,11 @@ def test_generation_table_ratios_against_the_recipe_per_round_and_failures():
         line = next(ln for ln in md.splitlines() if ln.startswith(prefix))
         return [c.strip() for c in line.strip("|").split("|")]
 
-    assert cells("| 1 | pw_generate | cold |")[6:8] == ["0.25", "-"]  # a quarter of the recipe's step, no warm ratio
+    assert cells("| 1 | pw_generate | cold |")[7:9] == ["0.25", "-"]
+    assert cells("| 1 | pw_generate | cold |")[3:5] == ["30.00", "42.00"]  # first generate: first token, whole call  # a quarter of the recipe's step, no warm ratio
     warm = cells("| 1 | pw_generate | warm x3 |")
     # per round against the recipe's process of the same round: TTFT 0.25, 0.30, 0.50; step 0.5, 1.0, 0.5
-    assert warm[3] == "3.00 (2.00–6.00, noisy)" and warm[6] == "0.50 (0.50–1.00)" and warm[7] == "0.30 (0.25–0.50)"
+    assert warm[3] == "3.00 (2.00–6.00, noisy)" and warm[7] == "0.50 (0.50–1.00)" and warm[8] == "0.30 (0.25–0.50)"
     assert "| 1 | pw_engine | cold | failed: timed out after 900 s |" in md
     paired = cells("| 1 | pw_generate | 40.0")
     assert paired[3:] == ["0.90 (0.80–1.00)", "0.80, 1.00", "0"]

@@ -379,6 +379,30 @@ def test_the_decode_loop_takes_the_models_own_slots_when_given_no_config():
         greedy_decode(compiled, [[VOCAB]], 4)
 
 
+def test_the_decode_loop_builds_its_inputs_on_the_models_device_by_default():
+    """A model on another device than the CPU (here "meta", standing in for CUDA) gets its step
+    inputs there, found through a compiled model as its slots are; the default was the CPU, and a
+    CUDA model failed at its first trace."""
+
+    class OnMeta(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), dict(max_num_seqs=2, max_seq_len=16))()
+            self.register_buffer("k_cache", torch.empty(2, 16, device="meta"))
+            self.seen = set()
+
+        def forward(self, input_ids, positions, seq_ids):
+            self.seen |= {t.device.type for t in (input_ids, positions, seq_ids)}
+            return torch.nn.functional.one_hot(torch.zeros(input_ids.shape[0], dtype=torch.long), 5).float()
+
+    model = OnMeta()
+    greedy_decode(model, [[1, 2], [3]], 2)  # (its tokens mean nothing: the logits are the CPU's)
+    assert model.seen == {"meta"}
+    model.seen.clear()
+    greedy_decode(model, [[1]], 2, device="cpu")  # an explicit device still wins
+    assert model.seen == {"cpu"}
+
+
 def test_the_decode_loop_finds_the_models_slots_and_budget_through_a_compiled_backbone():
     """A compiled backbone holds the decoder as ``.module.decoder``: its slots, positions and
     vocabulary bound the loop as the model's do (it defaulted to 8 slots and failed mid-run with a

@@ -91,7 +91,7 @@ def test_engine_on_cuda_with_graphs_equals_hf_per_prompt(greedy_margin, tmp_path
     forward = greedy_margin(cm)
     with counters.expect(recompiles=0, dynamo_traces=1):
         run = greedy_decode(forward, prompts, budgets, arrival_steps=arrivals, eos_token_ids=model.eos_token_ids,
-                            config=model.config, reset=model.reset_kv_cache)
+                            config=model.config, reset=model.reset_kv_cache, device="cuda")
     assert run.tokens == want
     assert counters.by_tag[cm.tag].graph_replays > 0
     forward.assert_far_from_ties()

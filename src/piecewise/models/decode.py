@@ -13,6 +13,7 @@ prompt alone (the end-of-sequence token included, as `generate` returns it).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import dataclasses
 import operator
 import random
@@ -96,7 +97,7 @@ def greedy_decode(
     arrival_steps: Sequence[int] | None = None,
     max_num_seqs: int | None = None,
     max_seq_len: int | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     reset: Callable[[], None] | None = None,
     eos_token_ids: Iterable[int] | int | None = (),
     config: Any = None,
@@ -118,7 +119,9 @@ def greedy_decode(
             model's.
         max_seq_len: requests needing positions beyond it are rejected up front (default:
             `config`'s, else unchecked).
-        device: where the step inputs are built.
+        device: where the step inputs are built. Default: the device of the model `forward` runs
+            (found as for `config`: its KV cache's), else the CPU; a CUDA model given CPU inputs
+            failed at its first trace.
         reset: called once before the first step, e.g. ``model.reset_kv_cache``. Optional: a run
             only reads KV entries it wrote, so stale cache contents do not change its tokens.
         eos_token_ids: a request that generates one of these stops (the token is kept), e.g.
@@ -208,6 +211,9 @@ def greedy_decode(
                          f"{budget} (or leave it out: the compiled budget is the default), or compile with a larger "
                          "max_num_tokens")
     eos = _eos_ids(eos_token_ids)
+    if device is None:
+        held = next(itertools.chain(owner.buffers(), owner.parameters()), None) if isinstance(owner, torch.nn.Module) else None
+        device = held.device if held is not None else "cpu"
 
     with _running(owner):
         if reset is not None:
