@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# GPU check, meant for a machine with one CUDA GPU and ~9 minutes: installs piecewise (torch from
-# the machine if present, else the pinned requirements), then, each phase under its own wall limit so
-# a slow one leaves the rest their time (budgets in seconds, overridable by the variables named):
-#   1. the GPU test tier (TESTS_S): generation on CUDA first (both paths, Inductor + CUDA graphs),
-#      then graph capture;
-#   2. the generation benchmark on CUDA (BENCH_GEN_S): SmolLM2-shaped, bf16, batch 1 and 8, HF eager,
-#      transformers' static-cache auto-compile, piecewise generate(), piecewise engine; cold + warm;
-#   3. the decode-step benchmark (eager, torch.compile default and reduce-overhead, piecewise graphs,
-#      full graphs and Inductor partitions), cold caches then warm (BENCH_COLD_S, BENCH_WARM_S);
+# GPU check, meant for a machine with one CUDA GPU and a 10-minute call: installs piecewise (torch
+# from the machine if present, else the pinned requirements), then runs each phase under its own
+# wall limit so a slow one leaves the rest their time (seconds, overridable by the variables named;
+# the defaults sum to 9 minutes, sized from the 2026-12-04 H200 run, where 4 minutes for the whole
+# generation benchmark was not enough):
+#   1. the GPU test tier (TESTS_S, 2026-12-04: 98 s): generation on CUDA first (both paths, Inductor +
+#      CUDA graphs), then graph capture;
+#   2. the generation benchmark on CUDA (BENCH_GEN_S): SmolLM2-shaped, bf16, batch 1 and 8, in this
+#      order: transformers' static-cache auto-compile, piecewise generate(), piecewise engine, HF
+#      eager (a cold process each; warm ones for the compiled three while time is left);
+#   3. the decode-step benchmark, one process on cold caches (BENCH_DECODE_S): eager, torch.compile
+#      default and reduce-overhead, piecewise graphs, full graphs and Inductor partitions (the first
+#      call of each is its cold start; the step figures are steady state);
 #   4. the per-piece host-cost table (BENCH_OVERHEAD_S).
 # Output under $OUT if set, at most 8 files: gpu_check.log (everything), gpu_tests.log,
-# generation.{md,json}, gpu_bench_{cold,warm}.json, gpu_overhead.json.
+# generation.{md,json}, gpu_bench.json, gpu_overhead.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/piecewise-gpu-check}"
@@ -31,16 +35,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 set +e
 phase() { echo "== $1 ($(date -u +%T))"; }
 phase "GPU tests"
-timeout ${TESTS_S:-140} $PY -m pytest -q -m gpu tests/models/test_gpu_generate.py tests/graphs/test_gpu.py \
-  -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
+timeout ${TESTS_S:-130} $PY -m pytest -q -m gpu tests/models/test_gpu_generate.py tests/graphs/test_gpu.py \
+  -p no:cacheprovider -p no:logging --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 phase "generation benchmark"
-timeout ${BENCH_GEN_S:-230} $PY -m piecewise.bench.generation --device cuda --rounds 1 --paired-rounds 0 --timeout 150 \
-  --out "$OUT"
-phase "decode-step benchmark, cold"
-timeout ${BENCH_COLD_S:-70} $PY -m piecewise.bench.gpu_decode --steps 50 --json "$OUT/gpu_bench_cold.json"
-phase "decode-step benchmark, warm"
-timeout ${BENCH_WARM_S:-45} $PY -m piecewise.bench.gpu_decode --steps 50 --json "$OUT/gpu_bench_warm.json"
+timeout ${BENCH_GEN_S:-270} $PY -m piecewise.bench.generation --device cuda --rounds 1 --paired-rounds 0 --timeout 150 \
+  --systems hf_compile_static,pw_generate,pw_engine,hf_eager --out "$OUT"
+phase "decode-step benchmark"
+timeout ${BENCH_DECODE_S:-100} $PY -m piecewise.bench.gpu_decode --steps 50 --json "$OUT/gpu_bench.json"
 # Host cost per piece against its floor (16 layers whose splitting op only clones; #15 item 1).
 phase "host cost per piece"
 timeout ${BENCH_OVERHEAD_S:-25} $PY -m piecewise.bench.overhead --json "$OUT/gpu_overhead.json"
