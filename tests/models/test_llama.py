@@ -166,6 +166,25 @@ def test_a_cpu_step_writes_its_kv_cache_in_the_compiled_piece_and_a_padded_step_
                             torch.tensor([1, 1, 0, 0]), 8**-0.5, torch.empty_like(q))
 
 
+def test_an_eager_call_under_a_full_graph_context_without_pad_rows_equals_a_plain_call():
+    """An uncompiled model run inside a full-graph forward context with every row real: its layers
+    hand k/v to the op, which writes them as in a full graph. Before, each layer wrote them itself
+    on the CPU and the op then refused the call as padded ("3 real of 3")."""
+    from piecewise.forward_context import RuntimeMode
+
+    cfg = LlamaConfig(num_layers=2)
+    plain, inside = LlamaForCausalLM(cfg, seed=4).eval(), LlamaForCausalLM(cfg, seed=4).eval()
+    ids, positions, seq_ids = [5, 6, 7], [0, 1, 2], [1, 1, 1]
+    want = _step(plain, ids, positions, seq_ids)
+    ctx = ForwardContext(num_tokens=3, padded_num_tokens=3, runtime_mode=RuntimeMode.FULL,
+                         num_tokens_device=torch.tensor(3))
+    with set_forward_context(ctx):
+        got = _step(inside, ids, positions, seq_ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_caches(inside), _caches(plain)):
+        torch.testing.assert_close(a, b)
+
+
 def test_dynamo_traces_fullgraph_with_dynamic_num_tokens():
     config = LlamaConfig(num_layers=3)
     model = LlamaForCausalLM(config, seed=1).eval()

@@ -416,9 +416,11 @@ def kv_written_in_piece(device_type: str) -> bool:
 
 def _unpadded(num_tokens: int) -> bool:
     """An eager call (not traced) has no pad rows: no forward context, or one whose real count is
-    all `num_tokens` rows. (A compiled piece never pads where `kv_written_in_piece` holds.)"""
+    all `num_tokens` rows and that is not a full graph's (``"full"`` runtime mode: the op writes
+    there, with the real count read from the device). (A compiled piece never pads where
+    `kv_written_in_piece` holds.)"""
     ctx = forward_context()
-    return ctx is None or ctx.num_tokens >= num_tokens
+    return ctx is None or (ctx.runtime_mode != "full" and ctx.num_tokens >= num_tokens)
 
 
 class RMSNorm(nn.Module):
