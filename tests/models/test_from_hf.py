@@ -440,6 +440,9 @@ def test_integer_like_max_new_tokens_are_taken():
     want = [hf_greedy(hf, [1, 2], 3), hf_greedy(hf, [3], 2)]
     assert greedy_decode(model, [[1, 2], [3]], [np.int64(3), torch.tensor(2)]).tokens == want
     assert greedy_decode(model, [[1, 2]], np.int64(3)).tokens == want[:1]
+    # so is the per-step token budget (a step of 1 token: the 2-token prompt goes in two chunks)
+    assert greedy_decode(model, [[1, 2], [3]], [3, 2], max_num_tokens=np.int64(1)).tokens == want
+    assert greedy_decode(model, [[1, 2], [3]], [3, 2], max_num_tokens=torch.tensor(1)).tokens == want
 
 
 def test_two_loops_on_one_models_cache_at_once_are_refused():

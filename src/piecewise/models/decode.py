@@ -148,7 +148,7 @@ def greedy_decode(
         InputError: empty prompts, `prompts` given as one flat list of token ids (not a list of
             prompts), token ids that are not integers or are outside `config`'s vocabulary,
             `eos_token_ids` that is not None, an integer or integers, `max_num_tokens` that is not
-            a positive integer or exceeds a pw.compile'd `forward`'s own
+            a positive integer (numpy and 0-d tensor integers are taken) or exceeds a pw.compile'd `forward`'s own
             `CompilationConfig.max_num_tokens` (both named), mismatched
             or non-integer `arrival_steps` or `max_new_tokens` (numpy and 0-d tensor integers are
             taken), `max_num_seqs` below 1 or above the model's slots, a request too long for
@@ -202,6 +202,11 @@ def greedy_decode(
                     f"request {i} needs {len(p) + n - 1} positions (a prompt of {len(p)} tokens + max_new_tokens={n} "
                     f"- 1) but max_seq_len={max_seq_len} ({where}); shorten the prompt or max_new_tokens, or build "
                     "the model with a larger max_seq_len")
+    if max_num_tokens is not None and not isinstance(max_num_tokens, (bool, int)):
+        try:  # numpy and 0-d tensor integers, as for max_new_tokens
+            max_num_tokens = operator.index(max_num_tokens)
+        except TypeError:
+            pass
     if max_num_tokens is not None and (isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int)
                                        or max_num_tokens < 1):
         raise InputError(f"max_num_tokens={max_num_tokens!r} must be a positive integer")
