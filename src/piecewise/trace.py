@@ -528,7 +528,7 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[
             try:
                 og.guard_on_key_order = {s for s in key_order if not _fingerprint_covers(s.name, module)}
                 try:
-                    check = gco.build_guards(fn.__code__, hooks=Hooks(guard_filter_fn=lambda e: serialisable(e, with_globals)),
+                    check = _build_guards(gco, fn.__code__, hooks=Hooks(guard_filter_fn=lambda e: serialisable(e, with_globals)),
                                              save=True, strict_error=True)
                 finally:
                     og.guard_on_key_order = key_order
@@ -542,11 +542,11 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[
         if unrecorded and guards_state is not None:
             guards_state, why = None, f"the guarded value of global {unrecorded[0]} cannot be recorded for a warm start"
         if full_guards or manager is None:
-            manager = gco.build_guards(fn.__code__).guard_manager
+            manager = _build_guards(gco, fn.__code__).guard_manager
         object_guards = None
         if object_args:
             roots = set(object_args)
-            object_guards = gco.build_guards(
+            object_guards = _build_guards(gco, 
                 fn.__code__, hooks=Hooks(guard_filter_fn=lambda es: [_guard_root(g.name) in roots for g in es])).guard_manager
     env = gco.get_runtime_env()
     # Globals Dynamo installed for the transformed code (``___module_collections_<id>_c0`` and kin)
@@ -568,3 +568,21 @@ def _guard_root(name: str) -> str:
     if m is None or name.startswith("G["):
         return ""
     return m.group(1) or m.group(2)
+
+
+def _build_guards(gco: Any, code: Any, **kwargs: Any) -> Any:
+    """``gco.build_guards(code, **kwargs)`` (Dynamo's guard manager from a finished capture), each
+    call from fresh export information on the guards.
+
+    A trace builds guards up to four times (saved guards with and without globals, the runtime
+    manager, the object-argument guards). Each build records, on Dynamo's guard objects, which
+    object every guard checked; torch 2.11 raises when a later build finds another object than the
+    earlier one did (``Guarded object must be identical``), as transformers' ``config.
+    per_layer_config`` gives a new view at every access: a plain forward of a transformers model
+    with a cache failed its trace so. That record is only what the guard export reports; the
+    checks themselves are built anew each time."""
+    for guard in getattr(gco.output_graph, "guards", ()):
+        for field in ("guard_types", "code_list", "obj_weakref", "guarded_class_weakref"):
+            if getattr(guard, field, None) is not None:
+                object.__setattr__(guard, field, None)
+    return gco.build_guards(code, **kwargs)
