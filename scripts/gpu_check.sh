@@ -36,7 +36,7 @@ set +e
 phase() { echo "== $1 ($(date -u +%T))"; }
 phase "GPU tests"
 timeout ${TESTS_S:-130} $PY -m pytest -q -m gpu tests/models/test_gpu_generate.py tests/graphs/test_gpu.py \
-  -p no:cacheprovider -p no:logging --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
+  -p no:cacheprovider --show-capture=no --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 phase "generation benchmark"
 timeout ${BENCH_GEN_S:-270} $PY -m piecewise.bench.generation --device cuda --rounds 1 --paired-rounds 0 --timeout 150 \
