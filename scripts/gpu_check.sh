@@ -47,4 +47,5 @@ timeout ${BENCH_DECODE_S:-100} $PY -m piecewise.bench.gpu_decode --steps 50 --js
 phase "host cost per piece"
 timeout ${BENCH_OVERHEAD_S:-25} $PY -m piecewise.bench.overhead --json "$OUT/gpu_overhead.json"
 phase "done, tests exit $rc"
+exec >&- 2>&-; wait  # let tee write the log's last lines before the script ends
 exit $rc

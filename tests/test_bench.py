@@ -215,3 +215,15 @@ def test_paired_worker_times_both_systems_in_turns_and_the_table_shows_every_rou
     line = next(ln for ln in md.splitlines() if ln.startswith("| 1 | 3000 (2000–4000) |"))
     assert [c.strip() for c in line.strip("|").split("|")][3:] == ["0.80 (0.75–1.10)", "0.75, 0.80, 1.10"]
     assert "measured paired" in md
+
+
+def test_a_failed_generation_process_is_named_by_its_exception_line():
+    """The failure cell of the generation table names the exception a worker died of, not what
+    torch prints after the traceback (a pointer to tlparse was all the GPU run's table showed)."""
+    from piecewise.bench.generation import _error_line
+
+    err = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+           "piecewise.errors.CompileError: Inductor failed to compile a piece for general: CantSplit\n\n"
+           "Use tlparse to see full graph. (https://github.com/pytorch/tlparse)\n")
+    assert _error_line(err) == ["piecewise.errors.CompileError: Inductor failed to compile a piece for general: CantSplit"]
+    assert _error_line("killed\n") == ["killed"] and _error_line("") == []

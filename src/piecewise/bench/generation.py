@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -273,12 +274,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             out, err, failure = proc.stdout, proc.stderr, None if proc.returncode == 0 else f"exit {proc.returncode}"
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            err, failure = "", f"timed out after {args.timeout} s"
-        rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+        except subprocess.TimeoutExpired as e:  # what the process printed before it was killed, cut anywhere
+            out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+            failure = f"timed out after {args.timeout} s"
+        rows = []
+        for ln in out.splitlines():
+            if ln.startswith("{"):
+                try:
+                    rows.append(json.loads(ln))
+                except ValueError:  # a line the kill cut short
+                    pass
         done = {r["batch"] for r in rows}
-        rows += [{"system": system, "batch": b, "error": [failure or "no figures"] + err.strip().splitlines()[-1:]}
+        rows += [{"system": system, "batch": b, "error": [failure or "no figures"] + _error_line(err)}
                  for b in batches if b not in done]  # a process cut short keeps the batches it finished
         for row in rows:
             row.update(phase=phase, round=rnd, process_s=time.perf_counter() - t0)
@@ -314,6 +321,15 @@ def main(argv: list[str] | None = None) -> int:
             process("paired", batches, tempfile.mkdtemp(prefix="pw-gen-paired-"), "paired")
     print(write(results))
     return 0
+
+
+def _error_line(stderr: str) -> list[str]:
+    """The line of a failed process's stderr that says why: the last one naming an exception (a
+    traceback's last line; what torch prints after it, such as a pointer to tlparse, is not it),
+    else the last line; empty when there is none."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    named = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", ln)]
+    return (named or lines)[-1:]
 
 
 def to_markdown(results: list[dict[str, Any]]) -> str:
