@@ -13,7 +13,8 @@
 #      default and reduce-overhead, piecewise graphs, full graphs and Inductor partitions (the first
 #      call of each is its cold start; the step figures are steady state);
 #   4. the per-piece host-cost table (BENCH_OVERHEAD_S).
-# Output under $OUT if set, at most 8 files: gpu_check.log (everything), gpu_tests.log,
+# PHASES (default "tests generation decode overhead") names the phases to run, in that order, for a
+# lease too short for all four. Output under $OUT if set, at most 8 files: gpu_check.log (everything), gpu_tests.log,
 # generation.{md,json}, gpu_bench.json, gpu_overhead.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,18 +35,29 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', to
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 || true
 set +e
 phase() { echo "== $1 ($(date -u +%T))"; }
+PHASES="${PHASES:-tests generation decode overhead}"
+want() { [[ " $PHASES " == *" $1 "* ]]; }
+rc=0
+if want tests; then
 phase "GPU tests"
 timeout ${TESTS_S:-130} $PY -m pytest -q -m gpu tests/models/test_gpu_generate.py tests/graphs/test_gpu.py \
   -p no:cacheprovider --show-capture=no --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
+fi
+if want generation; then
 phase "generation benchmark"
-timeout ${BENCH_GEN_S:-270} $PY -m piecewise.bench.generation --device cuda --rounds 1 --paired-rounds 0 --timeout 150 \
+timeout ${BENCH_GEN_S:-270} $PY -m piecewise.bench.generation --device cuda --rounds 1 --paired-rounds 0 --timeout ${BENCH_GEN_WORKER_S:-150} \
   --systems hf_compile_static,pw_generate,pw_engine,hf_eager --out "$OUT"
+fi
+if want decode; then
 phase "decode-step benchmark"
 timeout ${BENCH_DECODE_S:-100} $PY -m piecewise.bench.gpu_decode --steps 50 --json "$OUT/gpu_bench.json"
+fi
 # Host cost per piece against its floor (16 layers whose splitting op only clones; #15 item 1).
+if want overhead; then
 phase "host cost per piece"
 timeout ${BENCH_OVERHEAD_S:-25} $PY -m piecewise.bench.overhead --json "$OUT/gpu_overhead.json"
+fi
 phase "done, tests exit $rc"
 exec >&- 2>&-; wait  # let tee write the log's last lines before the script ends
 exit $rc

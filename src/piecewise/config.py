@@ -21,7 +21,7 @@ from .targets import CompileRange
 __all__ = ["CompilationConfig", "CompileRange", "MODES", "CUDAGRAPH_MODES"]
 
 MODES = ("none", "full", "piecewise")
-CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
+CUDAGRAPH_MODES = ("auto", "none", "piecewise", "full", "full_and_piecewise")
 #: URL schemes of `CompilationConfig.remote_cache` (the `redis` client's)
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 #: how the trace treats dims marked dynamic (`CompilationConfig.dynamic_shapes`)
@@ -98,7 +98,14 @@ class CompilationConfig:
         max_num_tokens: the largest size of any dynamic dim the model is called with; larger
             calls raise `InputError` before running.
         cudagraph_mode / cudagraph_capture_sizes: graph capture (accelerators only; CPU resolves
-            to ``"none"``).
+            to ``"none"``). ``"piecewise"``: each compiled piece is a graph, splitting ops run
+            eagerly between them; ``"full"``: the whole forward is one graph (splitting ops must
+            be safe to capture); ``"full_and_piecewise"``: full graphs for batches declared
+            uniform decode (`piecewise.graphs.batch_hint`), piecewise otherwise. ``"auto"``
+            (default): ``"piecewise"``, except transformers ``generate()``'s decode step, whose
+            calls are all uniform decode over piecewise's own attention op: one full graph per
+            batch size there (measured on an H200, 2026-12-04: piecewise graphs cost 23 us a
+            layer of host time over one full graph). Not in the cache key (it changes no code).
         cudagraph_num_warmups: eager runs of every piece at every capture size before its graph
             is captured (>= 0; default 1, as vLLM). The first run of a kernel initialises lazy
             state (library handles, autotuning, allocator growth) that must not happen inside a
@@ -167,7 +174,7 @@ class CompilationConfig:
     splitting_ops: tuple[Any, ...] | None = None
     compile_sizes: tuple[int, ...] = ()
     compile_ranges: tuple[int, ...] = ()
-    cudagraph_mode: str = "piecewise"
+    cudagraph_mode: str = "auto"
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     cudagraph_num_warmups: int = 1
     dynamic_shapes: str = "backed_size_oblivious"

@@ -36,6 +36,8 @@ def test_warmup_capture_replay_counts_and_equality_every_size(strategy):
             torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-5)
         assert plat.captured_sizes[:4] == [16] * 4, "largest size captured first"
         assert sorted(set(plat.captured_sizes)) == [4, 8, 16]
+        # the default mode, "auto", is piecewise for a model compiled directly (its ops may be the user's)
+        assert CompilationConfig().cudagraph_mode == "auto" and cm.backend.result.graphs.dispatcher.mode == "piecewise"
         wrappers = [cm.backend.stitched_wrappers[i] for i in range(4)]
         for w in wrappers:
             assert {s: e.phase for s, e in w.entries.items()} == {4: Phase.CAPTURED, 8: Phase.CAPTURED, 16: Phase.CAPTURED}
@@ -611,9 +613,24 @@ def test_a_second_model_captures_cleanly_after_the_first_is_deleted(strategy):
         assert cb.backend.graph_pool.pool is not pool_a
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_reference_decoder_decode_under_graphs_equals_eager(mode, strategy):
+@pytest.mark.parametrize("mode", ["piecewise", "full", "full_and_piecewise"])
+def test_reference_decoder_decode_under_graphs_equals_eager(mode, strategy, monkeypatch):
+    """The continuous-batching loop over the compiled reference decoder under each graph mode.
+    Under ``full_and_piecewise`` the loop declares its decode-only steps (one token a request)
+    uniform, so they replay full graphs and steps with a prefill in them replay pieces; before,
+    it declared nothing and every step ran piecewise."""
+    from piecewise.graphs import dispatch
     from piecewise.models import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
+
+    seen = []  # (runtime mode, real tokens, uniform) of each real call the dispatcher ran
+    enter = dispatch.enter_forward
+
+    def spy(ctx):
+        if ctx.num_tokens:
+            seen.append((ctx.runtime_mode, ctx.num_tokens, ctx.batch_descriptor is not None and ctx.batch_descriptor.uniform_decode))
+        return enter(ctx)
+
+    monkeypatch.setattr(dispatch, "enter_forward", spy)
 
     cfg = LlamaConfig(num_layers=2)
     trace = default_trace(cfg.vocab_size)
@@ -641,6 +658,10 @@ def test_reference_decoder_decode_under_graphs_equals_eager(mode, strategy):
                        if e.phase is Phase.CAPTURED]
             assert len(entries) >= 2 * cfg.num_layers
             assert [(name, e.size) for name, e in entries if e.copied] == []
+        if mode == "full_and_piecewise":
+            decode_steps = [n for m, n, uniform in seen if uniform]
+            assert decode_steps and all(m == "full" for m, _, uniform in seen if uniform)
+            assert any(m == "piecewise" and not uniform for m, _, uniform in seen)
 
 
 def test_sub_batch_replay_gathers_rows_pads_and_slices():
@@ -731,7 +752,8 @@ def test_transformers_generate_replays_decode_graphs_and_equals_eager(tmp_path):
     ref = hf.tiny_llama(num_layers=2, attn_implementation="sdpa")
     gen = torch.Generator().manual_seed(7)
     with fake_cpu_platform():
-        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_seqs=4, max_model_len=64, cache_dir=str(tmp_path)))
+        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_seqs=4, max_model_len=64, cudagraph_mode="piecewise",
+                                                 cache_dir=str(tmp_path)))
         with counters.expect(recompiles=0):
             for batch, length, new in ((1, 5, 6), (3, 9, 4), (4, 2, 7), (2, 1, 5), (3, 6, 3)):
                 ids = torch.randint(1, 256, (batch, length), generator=gen)
@@ -780,12 +802,13 @@ def test_a_decode_step_with_graphs_that_took_the_batch_size_serves_other_batches
         assert counters.by_tag[f"{cm.tag}_generate_decode"].graph_replays > 0
 
 
-@pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", ["full", "full_and_piecewise", None])
 def test_transformers_generate_replays_full_decode_graphs(mode, tmp_path, caplog):
     """With full graphs the decode step's attention op is captured inside the graph, where no
     device value may be read on the host (the strict platform refuses it, as CUDA does). Before,
     the op read the last write position per layer, every full capture failed, each size was
-    dropped with a warning and decode ran without graphs."""
+    dropped with a warning and decode ran without graphs. ``None``: the default mode ("auto"),
+    under which the decode step is one full graph per size (before: pieces)."""
     from piecewise.models import hf
 
     hf.register_hf_attention()
@@ -793,8 +816,9 @@ def test_transformers_generate_replays_full_decode_graphs(mode, tmp_path, caplog
     ref = hf.tiny_llama(num_layers=2, attn_implementation="sdpa")
     gen = torch.Generator().manual_seed(11)
     with fake_cpu_platform(strict_capture=True), caplog.at_level("WARNING", logger="piecewise"):
-        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_seqs=4, max_model_len=64, cudagraph_mode=mode,
-                                                 cache_dir=str(tmp_path)))
+        chosen = {} if mode is None else {"cudagraph_mode": mode}
+        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_seqs=4, max_model_len=64, cache_dir=str(tmp_path),
+                                                 **chosen))
         with counters.expect(recompiles=0):
             for batch, length, new in ((2, 5, 6), (4, 3, 5), (1, 9, 4), (3, 6, 3)):
                 ids = torch.randint(1, 256, (batch, length), generator=gen)
@@ -806,8 +830,9 @@ def test_transformers_generate_replays_full_decode_graphs(mode, tmp_path, caplog
         decode = counters.by_tag[f"{cm.tag}_generate_decode"]
         assert decode.graphs_captured > 0 and decode.graph_replays > 0
         step = cm._route.compiled[(True, True)]
-        full = step.backend.result.graphs.dispatcher.full
-        assert sorted(e.size for e in full.entries.values() if e.phase is Phase.CAPTURED) == [1, 2, 4]
+        dispatcher = step.backend.result.graphs.dispatcher
+        assert dispatcher.mode == (mode or "full")
+        assert sorted(e.size for e in dispatcher.full.entries.values() if e.phase is Phase.CAPTURED) == [1, 2, 4]
         assert "capture" not in caplog.text.lower(), caplog.text
 
 

@@ -223,7 +223,9 @@ def install_graphs(config: Any, tag: str, stitched: Stitched, runners: Sequence[
     its split module in place of each compiled piece's runner (`runners`, in piece order) for
     piecewise modes; or None when graphs do not apply (``cudagraph_mode="none"``, no graph
     platform for the device, `plan.refused`). Nothing outside `stitched` is written."""
-    mode = config.cudagraph_mode
+    # "auto" is "piecewise" for a model compiled directly: its splitting ops may be the user's,
+    # which need not be safe inside a full graph (the generation route resolves it per step)
+    mode = "piecewise" if config.cudagraph_mode == "auto" else config.cudagraph_mode
     if mode == "none":
         return None
     device = plan.device

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from ..graphs.dispatch import batch_hint
 
 __all__ = ["DecodeResult", "DecodeTrace", "default_trace", "greedy_decode", "make_prompts"]
 
@@ -396,8 +397,11 @@ def _run_step(forward: Forward, running: list[_Request], device: torch.device | 
 
     inputs = as_tensor(ids), as_tensor(positions), as_tensor(seq_ids)
     rows = as_tensor(last_rows)
+    # a step of one token per request is a uniform decode batch: declared, so a model compiled with
+    # cudagraph_mode="full_and_piecewise" replays one full graph for it (a prefill in the batch: pieces)
+    uniform = batch_hint(uniform_decode=all(take == 1 for _, take in fed))
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), uniform:
         out = forward(*inputs)
         logits = out[rows] if compute_logits is None else compute_logits(out[rows])
         next_ids = logits.argmax(dim=-1).tolist()  # .tolist() waits for the device

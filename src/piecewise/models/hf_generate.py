@@ -22,7 +22,8 @@ decode step: only the batch dim is dynamic, and it is the token count its graphs
 padded for, capture sizes up to `max_num_seqs` (a pad row writes the cache at a slot no real row
 of the call uses, and attends its own position plus whatever positions earlier calls left valid in
 that slot; no real row reads a pad row's slot). Its batches are uniform decode, so
-``full_and_piecewise`` replays full graphs there. So generation shows two traces on a GPU
+``full_and_piecewise`` replays full graphs there, and so does ``"auto"`` (the default): the step
+is one graph per batch size, its attention op inside. So generation shows two traces on a GPU
 (prefill, decode) and one on the CPU, unless the model's step code branches on a size: a step
 refuses the sizes its trace is wrong for, and the route traces another general step for them
 (``<tag>_generate_2``; OPT's mask code branches on one new token; Inductor specialises size 1
@@ -1139,9 +1140,13 @@ class GenerationRoute:
             # op slices the cache by the padded batch, so no pad row may reach past the slots).
             sizes = tuple(s for s in (self.config.cudagraph_capture_sizes or default_capture_sizes(self.max_num_seqs))
                           if s <= self.max_num_seqs) or (self.max_num_seqs,)
+            # Every call of this step is a uniform decode batch and its splitting op is the
+            # generation attention op, which is safe inside a full graph, so "auto" captures the
+            # whole step as one graph per batch size (no host time between pieces)
+            mode = "full" if self.config.cudagraph_mode == "auto" else self.config.cudagraph_mode
             config = dataclasses.replace(self.config, tag=f"{self.tag}_generate_decode", compile_sizes=(),
                                          compile_ranges=(), max_num_tokens=self.max_num_seqs,
-                                         cudagraph_capture_sizes=sizes)
+                                         cudagraph_capture_sizes=sizes, cudagraph_mode=mode)
             compiled = pw_compile(step, config, dynamic_arg_dims={"input_ids": 0, "position_ids": 0})
             with torch.inference_mode(False):
                 self.decode_write_pos = torch.zeros(1, dtype=torch.long, device=device)
