@@ -13,7 +13,8 @@
 #      default and reduce-overhead, piecewise graphs, full graphs and Inductor partitions (the first
 #      call of each is its cold start; the step figures are steady state);
 #   4. the per-piece host-cost table (BENCH_OVERHEAD_S).
-# PHASES (default "tests generation decode overhead") names the phases to run, in that order, for a
+# PHASES (default "tests generation decode overhead") names the phases to run, in that order, and
+# GEN_SYSTEMS the generation systems (comma-separated), for a
 # lease too short for all four. Output under $OUT if set, at most 8 files: gpu_check.log (everything), gpu_tests.log,
 # generation.{md,json}, gpu_bench.json, gpu_overhead.json.
 set -euo pipefail
@@ -47,7 +48,7 @@ fi
 if want generation; then
 phase "generation benchmark"
 timeout ${BENCH_GEN_S:-270} $PY -m piecewise.bench.generation --device cuda --rounds 1 --paired-rounds 0 --timeout ${BENCH_GEN_WORKER_S:-150} \
-  --systems hf_compile_static,pw_generate,pw_engine,hf_eager --out "$OUT"
+  --systems ${GEN_SYSTEMS:-hf_compile_static,pw_generate,pw_engine,hf_eager} --out "$OUT"
 fi
 if want decode; then
 phase "decode-step benchmark"
