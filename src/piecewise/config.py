@@ -103,8 +103,8 @@ class CompilationConfig:
             be safe to capture); ``"full_and_piecewise"``: full graphs for batches declared
             uniform decode (`piecewise.graphs.batch_hint`), piecewise otherwise. ``"auto"``
             (default): ``"piecewise"``, except transformers ``generate()``'s decode step, whose
-            calls are all uniform decode over piecewise's own attention op: one full graph per
-            batch size there (measured on an H200, 2026-12-04: piecewise graphs cost 23 us a
+            calls are all uniform decode: one full graph per batch size there, when piecewise's
+            attention op is the only splitting op in the model's graph (measured on an H200, 2026-12-04: piecewise graphs cost 23 us a
             layer of host time over one full graph). Not in the cache key (it changes no code).
         cudagraph_num_warmups: eager runs of every piece at every capture size before its graph
             is captured (>= 0; default 1, as vLLM). The first run of a kernel initialises lazy

@@ -836,6 +836,74 @@ def test_transformers_generate_replays_full_decode_graphs(mode, tmp_path, caplog
         assert "capture" not in caplog.text.lower(), caplog.text
 
 
+def test_a_stale_non_finite_cache_value_past_the_prompt_does_not_reach_the_full_decode_graph(tmp_path):
+    """Under the default mode the decode step is one full graph, whose attention reads every cache
+    position and masks the ones past a row's length with -inf. An infinite key or value left there
+    (what an earlier generation's overflow leaves) made the row NaN (0 * inf) until a generation
+    starts clearing its rows past the prompt; pieces never read past the length."""
+    from piecewise.models import hf
+
+    hf.register_hf_attention()
+    model = hf.tiny_llama(num_layers=2)
+    ref = hf.tiny_llama(num_layers=2, attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(5)
+    kw = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    with fake_cpu_platform(strict_capture=True):
+        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_seqs=4, max_model_len=64, cache_dir=str(tmp_path)))
+        ids = torch.randint(1, 256, (2, 5), generator=gen)
+        assert torch.equal(cm.generate(ids, **kw), ref.generate(ids, **kw))
+        assert cm._route.compiled[(True, True)].backend.result.graphs.dispatcher.mode == "full"
+        for cache in (*cm._route.step.caches()[0], *cm._route.step.caches()[1]):
+            cache[:, :, 20:] = float("inf")
+        ids = torch.randint(1, 256, (2, 7), generator=gen)
+        with counters.expect(recompiles=0):
+            assert torch.equal(cm.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+@pw.splitting_op("pw_test_graphs::copy_rows", mutates_args=())
+def _copy_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_copy_rows.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _ActThroughOwnOp(torch.nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x):
+        return torch.ops.pw_test_graphs.copy_rows(self.act(x))
+
+
+def test_auto_captures_the_decode_step_piecewise_when_the_model_calls_a_splitting_op_of_its_own(tmp_path, caplog):
+    """The default mode makes the decode step one full graph only when the generation attention op
+    is the only splitting op in the model's graph: another one (here the user's, in every MLP) need
+    not be safe inside a graph (one reading ``forward_context().num_tokens`` on the host would
+    replay its capture's count), so the step is captured in pieces, logged."""
+    from piecewise.models import hf
+
+    hf.register_hf_attention()
+    model = hf.tiny_llama(num_layers=2)
+    ref = hf.tiny_llama(num_layers=2, attn_implementation="sdpa")
+    for layer in model.model.layers:
+        layer.mlp.act_fn = _ActThroughOwnOp(layer.mlp.act_fn)
+    gen = torch.Generator().manual_seed(6)
+    with fake_cpu_platform(), caplog.at_level("INFO", logger="piecewise"):
+        cm = pw.compile(model, CompilationConfig(backend="eager", max_num_seqs=4, max_model_len=64, cache_dir=str(tmp_path)))
+        with counters.expect(recompiles=0):
+            for batch, length in ((2, 5), (3, 4)):
+                ids = torch.randint(1, 256, (batch, length), generator=gen)
+                kw = dict(max_new_tokens=5, do_sample=False, use_cache=True, pad_token_id=0)
+                assert torch.equal(cm.generate(ids, **kw), ref.generate(ids, **kw))
+        assert cm._route.compiled[(True, True)].backend.result.graphs.dispatcher.mode == "piecewise"
+        assert counters.by_tag[f"{cm.tag}_generate_decode"].graph_replays > 0
+        assert "pw_test_graphs::copy_rows" in caplog.text
+
+
 class _ArgumentRead(torch.nn.Module):
     def forward(self, x, scale):  # x: [tokens, 8]; scale: [8], read in place by the graphs
         return x.sin() * scale

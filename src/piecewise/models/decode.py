@@ -397,8 +397,9 @@ def _run_step(forward: Forward, running: list[_Request], device: torch.device | 
 
     inputs = as_tensor(ids), as_tensor(positions), as_tensor(seq_ids)
     rows = as_tensor(last_rows)
-    # a step of one token per request is a uniform decode batch: declared, so a model compiled with
-    # cudagraph_mode="full_and_piecewise" replays one full graph for it (a prefill in the batch: pieces)
+    # a step of one token per request (decode steps; one-token prompts or prompt chunks too) is a
+    # uniform batch: declared, so a model compiled with cudagraph_mode="full_and_piecewise" replays
+    # one full graph for it (a step with more tokens for some request: pieces)
     uniform = batch_hint(uniform_decode=all(take == 1 for _, take in fed))
     start = time.perf_counter()
     with torch.no_grad(), uniform:

@@ -22,8 +22,10 @@ decode step: only the batch dim is dynamic, and it is the token count its graphs
 padded for, capture sizes up to `max_num_seqs` (a pad row writes the cache at a slot no real row
 of the call uses, and attends its own position plus whatever positions earlier calls left valid in
 that slot; no real row reads a pad row's slot). Its batches are uniform decode, so
-``full_and_piecewise`` replays full graphs there, and so does ``"auto"`` (the default): the step
-is one graph per batch size, its attention op inside. So generation shows two traces on a GPU
+``full_and_piecewise`` replays full graphs there, and so does ``"auto"`` (the default) when the
+attention op is the only splitting op in the model's graph: the step is one graph per batch size,
+its attention op inside (attending the whole cache under the mask; a generation zeroes its rows
+past the prompt once, so no stale non-finite value meets a zero weight). So generation shows two traces on a GPU
 (prefill, decode) and one on the CPU, unless the model's step code branches on a size: a step
 refuses the sizes its trace is wrong for, and the route traces another general step for them
 (``<tag>_generate_2``; OPT's mask code branches on one new token; Inductor specialises size 1
@@ -48,7 +50,8 @@ from ..backend import size_refusals_handled
 from ..errors import CaptureError, ConfigError, InputError, SizeRefusedError
 from ..forward_context import RuntimeMode, current_forward_context
 from ..graphs.dispatch import batch_hint
-from ..ops import splitting_op
+from ..ops import normalize_op_name, resolve_splitting_ops, splitting_op
+from ..split import is_splitting_node
 
 __all__ = ["CACHED_ATTENTION_OP", "GenerationRoute", "GenerationStep", "hf_cached_attention", "generation_route"]
 
@@ -472,6 +475,7 @@ class GenerationRoute:
         self._graphs: bool | None = None
         #: the decode step with graphs failed to capture: decode steps run on a general step
         self._decode_graphs_off = False
+        self._decode_mode: str | None = None  # the decode step's cudagraph_mode, once decided
         self.kv_valid: torch.Tensor | None = None
         self._cache_ref: Any = None
         self._past = 0
@@ -669,6 +673,13 @@ class GenerationRoute:
                              "padding): no output of that row means anything; drop the row, or give it a token (a BOS). "
                              "(generate(prefill_chunk_size=...) gives a left-padded row such a first chunk: generate "
                              "without it)")
+        if past == 0 and self._graphs_apply(input_ids.device) and self._decode_graph_mode() != "piecewise":
+            # A full-graph decode step attends every cache position, the ones past a row's length
+            # under a -inf mask: a stale non-finite key or value there (an earlier generation's
+            # overflow) would make the row NaN (0 * inf), where pieces cut the cache at the
+            # length. So a generation clears the rows it uses past its prompt, once, at its prompt.
+            for c in (*self.step.caches()[0], *self.step.caches()[1]):
+                c[:batch, :, total:].zero_()
         if decode_step:  # graphs read it in place: one tensor, filled
             write_pos = self.decode_write_pos
             write_pos.fill_(past)
@@ -1111,6 +1122,33 @@ class GenerationRoute:
             self._graphs = self.config.cudagraph_mode != "none" and resolve_platform(device.type) is not None
         return self._graphs
 
+    def _decode_graph_mode(self) -> str:
+        """The decode step's `cudagraph_mode`: the configured one, where ``"auto"`` is ``"full"``
+        when the generation attention op is the only splitting op the prompt step's graph holds
+        (the decode step runs the same layers; every call of it is a uniform decode batch and that
+        op is safe inside a full graph: one graph per batch size, no host time between pieces),
+        else ``"piecewise"`` (a splitting op of the user's need not be safe inside a graph).
+        Decided once, from the first compiled general step (a decode step always follows one)."""
+        if self._decode_mode is not None:
+            return self._decode_mode
+        mode = self.config.cudagraph_mode
+        if mode == "auto":
+            general = next((c for k, c in self.compiled.items() if not k[1]), None)
+            result = getattr(getattr(general, "backend", None), "result", None)
+            if result is None:
+                return "piecewise"  # nothing to read yet: not memoised
+            split_ops = frozenset(resolve_splitting_ops(self.config.splitting_ops))
+            ops = {normalize_op_name(n.target) for it in result.split.items if it.is_splitting
+                   for n in it.graph.graph.nodes if is_splitting_node(n, split_ops)}
+            others = sorted(ops - {CACHED_ATTENTION_OP})
+            mode = "piecewise" if others else "full"
+            if others:
+                log.info("[%s] cudagraph_mode='auto': the decode step is captured piecewise, not as one full graph, since "
+                         "the model calls splitting ops of its own (%s), which need not be safe inside a graph",
+                         self.tag, ", ".join(others))
+        self._decode_mode = mode
+        return mode
+
     def _ensure_compiled(self, device: torch.device, last_only: bool, decode: bool = False, number: int = 1) -> Any:
         """The compiled step returning the last position's logits (`last_only`, tag
         ``<tag>_generate``: what ``generate()`` asks for with ``logits_to_keep=1``) or every
@@ -1140,10 +1178,7 @@ class GenerationRoute:
             # op slices the cache by the padded batch, so no pad row may reach past the slots).
             sizes = tuple(s for s in (self.config.cudagraph_capture_sizes or default_capture_sizes(self.max_num_seqs))
                           if s <= self.max_num_seqs) or (self.max_num_seqs,)
-            # Every call of this step is a uniform decode batch and its splitting op is the
-            # generation attention op, which is safe inside a full graph, so "auto" captures the
-            # whole step as one graph per batch size (no host time between pieces)
-            mode = "full" if self.config.cudagraph_mode == "auto" else self.config.cudagraph_mode
+            mode = self._decode_graph_mode()
             config = dataclasses.replace(self.config, tag=f"{self.tag}_generate_decode", compile_sizes=(),
                                          compile_ranges=(), max_num_tokens=self.max_num_seqs,
                                          cudagraph_capture_sizes=sizes, cudagraph_mode=mode)
