@@ -1,4 +1,5 @@
-# `make demo` and `make test` each bootstrap .venv from the pinned requirements.txt.
+# `make demo` and `make test` each bootstrap .venv from the pinned requirements.txt (and `make test`
+# and `make docs` the documentation tools from requirements-docs.txt).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,10 +7,13 @@ STAMP := $(VENV)/.installed
 # Triton, in a folder of its own off the venv's import path (see the rule below).
 TRITON := $(VENV)/triton
 TRITON_STAMP := $(TRITON)/.installed
+# The documentation tools (mkdocs-material, mkdocstrings), pinned in a file of their own: not runtime
+# requirements of the package.
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test bench clean venv
+.PHONY: demo test docs bench clean venv
 
-venv: $(STAMP)
+venv: $(STAMP) $(DOCS_STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +39,10 @@ $(TRITON_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps --target $(TRITON) triton==3.9.0
 	touch $(TRITON_STAMP)
 
+$(DOCS_STAMP): $(STAMP) requirements-docs.txt
+	$(BIN)/pip install -q -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
 # Byte-compile the sources first: with PYTHONDONTWRITEBYTECODE set (as on the CI machines) every
 # process would otherwise compile them again (~0.4 s a process, and the tests start many).
 demo: $(STAMP)
@@ -42,12 +50,17 @@ demo: $(STAMP)
 	$(BIN)/piecewise demo
 
 # Two workers: the CI machine has two cores, and half the suite waits on subprocesses.
-test: $(STAMP) $(TRITON_STAMP)
+# tests/test_docs.py builds the site (mkdocs build --strict) and runs every example in README.md and docs/.
+test: $(STAMP) $(TRITON_STAMP) $(DOCS_STAMP)
 	$(BIN)/python -m compileall -q src > /dev/null
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+
+# The documentation site, into site/; --strict fails on a broken link or an undocumented field.
+docs: $(STAMP) $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/piecewise bench
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build site src/*.egg-info
