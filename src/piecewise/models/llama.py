@@ -657,7 +657,10 @@ class LlamaForCausalLM(nn.Module):
         it holds).
 
         Args:
-            max_num_seqs, max_seq_len: size of the static KV cache (`LlamaConfig`).
+            hf_model: the transformers ``*ForCausalLM`` (or a ``torch.compile``'d one).
+            max_num_seqs: sequence slots of the static KV cache (`LlamaConfig.max_num_seqs`).
+            max_seq_len: positions per slot of the static KV cache (`LlamaConfig.max_seq_len`).
+            dtype: the copy's dtype; default the HF model's.
 
         Raises:
             ConfigError: another architecture (named, with what is supported), a model without an
