@@ -1,4 +1,4 @@
-"""The reference decoder's attention as one Triton kernel (docs/design.md §7.2).
+"""The reference decoder's attention as one Triton kernel (docs/design/generation.md).
 
 On a GPU the host cost of the attention splitting op is paid once per layer per step between two
 piecewise graphs, and SDPA over gathered cache rows costs about ten dispatcher calls (the gather,
