@@ -63,8 +63,8 @@ class RunnerSpec:
 
 
 #: what a user can do about a size refusal (`SizeRefusal`)
-SIZE_REMEDY = ("Make forward independent of the size there, or compile each size class as a model of its own "
-               "(CompilationConfig(tag=...))")
+SIZE_REMEDY = ("Make forward independent of the size there, or let more traces serve the model's sizes "
+               "(CompilationConfig(max_size_classes=...))")
 #: distinct size tuples whose guard results `StitchedForward` memoises (about 100 bytes each)
 SIZES_MEMOISED = 4096
 

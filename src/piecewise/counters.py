@@ -30,6 +30,7 @@ class _Tally:
     compiler_invocations: int = 0  # adaptor.compile calls (general, per range, per size)
     recompiles: int = 0  # a second graph for a region: Dynamo recompiled, or module state changed after compile
     state_changes: int = 0  # module state the trace read changed after compile (followed by a new trace)
+    size_class_traces: int = 0  # sizes the first trace does not hold for, served by a trace of their own (not recompiles)
     fallbacks: int = 0  # piecewise mode fell back to a single piece
     cache_hits: int = 0
     cache_misses: int = 0
