@@ -14,6 +14,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "piecewise"
 #: lowest first; a module may import from its own layer and those before it. A package name
 #: stands for all its modules. Kept in the same order as docs/design.md.
 LAYERS: list[tuple[str, ...]] = [
+    ("_torch",),  # torch internals (private names, patches), one module per torch subsystem
     ("_version", "errors", "targets", "registry", "tags", "fingerprint", "counters", "forward_context"),
     ("ops", "state", "inputs"),
     ("passes",),

@@ -49,7 +49,7 @@ from .warmstart import StartSubject, WarmStart
 from .trace import Trace, trace
 from .config import CompilationConfig
 from .counters import counters
-from .errors import CompileError, ConfigError, GuardFailureError, InputError, PiecewiseError, TraceError
+from .errors import CompileError, ConfigError, GuardFailureError, InputError, PiecewiseError, SizeRefusedError, TraceError
 from .inputs import CallSignature
 from .registry import Registration, Registry
 from .tags import current_registry, release_tag, unique_tag
@@ -103,11 +103,15 @@ class CompiledModel:
     #: inlined: `state.CodeGuard` leaves it out
     _piecewise_compiled_model = True
 
-    def __init__(self, module: torch.nn.Module, config: CompilationConfig, dynamic_arg_dims: Mapping[str, int | tuple[int, ...]]) -> None:
+    def __init__(self, module: torch.nn.Module, config: CompilationConfig, dynamic_arg_dims: Mapping[str, int | tuple[int, ...]],
+                 *, size_class_of: CompiledModel | None = None) -> None:
         self.module = module
         self.config = config
-        self.tag = unique_tag(config.tag or type(module).__name__)
-        weakref.finalize(self, release_tag, self.tag, current_registry())
+        if size_class_of is None:
+            self.tag = unique_tag(config.tag or type(module).__name__)
+            weakref.finalize(self, release_tag, self.tag, current_registry())
+        else:  # a size class shares its model's tag: its cache entries, bundles and counters
+            self.tag = size_class_of.tag
         self.backend: PiecewiseBackend | None = None
         self.timings: dict[str, float] = {}
         fn = type(module).forward
@@ -131,8 +135,14 @@ class CompiledModel:
         # parameters when the compiled model is assigned to it.
         self.__signature__ = inspect.signature(types.MethodType(fn, module))
         self._route = None
-        if config.mode != "none":
+        if config.mode != "none" and size_class_of is None:
             self._route = next((r for f in _ROUTES.values() if (r := f(module, config, self.tag)) is not None), None)
+        # Size classes (`_serve_size_class`): the traces that serve the sizes this model's own
+        # trace does not hold for, the one that served the last call, and the bundle entries in use.
+        self._size_class_of = size_class_of
+        self._size_classes: list[CompiledModel] = []
+        self._serving: CompiledModel | None = None
+        self._bundle_keys: set[str] = set()
         self._guards: Any = None  # Dynamo's guard manager of the trace (debug mode checks it)
         self._object_guards: Any = None  # guards rooted at object arguments, checked every call
         self._fast: Callable[..., Any] | None = None
@@ -171,24 +181,97 @@ class CompiledModel:
                 out = self._route(args, kwargs)
             if out is not NotImplemented:
                 return out
-        fast = self._fast
         with torch.no_grad():
-            if self._plain_tensors:
-                state.check_plain_tensors(self._plain_tensors)
-            if (fast is None or (state.EPOCH != self._state_epoch and not self._state_unchanged())
-                    or not self._code_unchanged()):
-                return self._first_call(args, kwargs)
-            args, kwargs, copies = self._signature.check(args, kwargs)
-            if self._object_guards is not None:
-                self._check_object_guards(args, kwargs)
-            if self.config.debug and self._guards is not None:
-                self._check_guards(args, kwargs)
-            out = fast(self.module, *args, **kwargs)
-            if copies:
-                self._signature.write_back(copies)
-            return out
+            if self._serving is None:
+                try:
+                    return self._call_own(args, kwargs)
+                except SizeRefusedError as e:
+                    if self._size_class_of is not None:
+                        raise
+                    return self._serve_size_class(args, kwargs, e)
+            return self._serve_size_class(args, kwargs, None)
 
     forward = __call__
+
+    def _call_own(self, args: tuple, kwargs: dict) -> Any:
+        """This model's own trace on one call (the first call traces or starts warm).
+
+        Raises:
+            SizeRefusedError: the call's sizes fail a size guard of the trace (nothing ran).
+        """
+        fast = self._fast
+        if self._plain_tensors:
+            state.check_plain_tensors(self._plain_tensors)
+        if (fast is None or (state.EPOCH != self._state_epoch and not self._state_unchanged())
+                or not self._code_unchanged()):
+            return self._first_call(args, kwargs)
+        args, kwargs, copies = self._signature.check(args, kwargs)
+        if self._object_guards is not None:
+            self._check_object_guards(args, kwargs)
+        if self.config.debug and self._guards is not None:
+            self._check_guards(args, kwargs)
+        out = fast(self.module, *args, **kwargs)
+        if copies:
+            self._signature.write_back(copies)
+        return out
+
+    def _serve_size_class(self, args: tuple, kwargs: dict, refused: SizeRefusedError | None) -> Any:
+        """A call this model's own trace refused (`refused`), or one after another size class
+        served the last call (`refused` None): the size class that served last is tried first, then
+        the others and this model's own trace; when every one refuses the sizes, one more is traced
+        (or started warm from its bundle) at this call's sizes, up to `CompilationConfig.max_size_classes`.
+
+        A size class is a `CompiledModel` of the same module and tag; each refusal is raised before
+        anything runs (`StitchedForward`), so trying another trace is free of side effects.
+
+        Raises:
+            SizeRefusedError: every trace refuses these sizes and no more may be made (the bound is
+                reached, or ``debug=True``, which refuses them as a check).
+        """
+        tried: list[CompiledModel | None] = []
+        error = refused
+        order: list[CompiledModel | None] = [self._serving] if self._serving is not None else []
+        order += [None] if refused is None else []
+        order += [c for c in self._size_classes if c is not self._serving]
+        for cls in order:
+            tried.append(cls)
+            try:
+                out = self._call_own(args, kwargs) if cls is None else cls(*args, **kwargs)
+            except SizeRefusedError as e:
+                error = e
+                continue
+            self._serving = cls
+            return out
+        with self._lock:
+            for cls in self._size_classes:  # made by another thread meanwhile
+                if cls not in tried:
+                    try:
+                        out = cls(*args, **kwargs)
+                    except SizeRefusedError as e:
+                        error = e
+                        continue
+                    self._serving = cls
+                    return out
+            assert error is not None
+            if self._fast is None:  # a warm start whose trace refused these sizes: the next bundle, or a trace
+                out = self._start_size_class(self, args, kwargs)
+                self._serving = None
+                return out
+            n = len(self._size_classes) + 2
+            if self.config.debug or n > self.config.max_size_classes:
+                why = ("debug=True refuses sizes a trace does not hold for" if self.config.debug else
+                       f"max_size_classes={self.config.max_size_classes} traces already serve this model's other sizes; "
+                       "raise CompilationConfig(max_size_classes)")
+                raise SizeRefusedError(f"{error} ({why})") from None
+            log.info("[%s] %s; size class %d serves such calls", self.tag, str(error).split("] ", 1)[-1], n)
+            cls = CompiledModel(self.module, self.config, self._dynamic, size_class_of=self)
+            cls._bundle_keys = self._bundle_keys  # shared: each class starts warm from a bundle no other one uses
+            out = self._start_size_class(cls, args, kwargs)
+            if "bundle_load" not in cls.timings:  # traced, not started warm from a bundle
+                counters.bump("size_class_traces", tag=self.tag)
+            self._size_classes.append(cls)
+            self._serving = cls
+            return out
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's ``generate(...)`` (transformers), every forward running compiled: the
@@ -353,12 +436,19 @@ class CompiledModel:
             # None", taking plain torch.compile calls in other threads down with them. The first
             # run is outside it, as torch.compile's runs are: a splitting op may wait on another
             # thread that compiles (a rank's collective, a worker pool).
-            with compile_lock, _collect_young_only():
+            with compile_lock, _collect_young_only(), self._refusals_served():
                 start, fast = self._build_first(args, kwargs)
             # The compiled forward serves other calls only once its first run succeeded (they wait
             # for this lock meanwhile): a first run that raises (an input eager refuses too) keeps
             # nothing, and the next call records its own signature and traces (or starts warm).
-            out = fast(self.module, *args, **kwargs)
+            try:
+                out = fast(self.module, *args, **kwargs)
+            except SizeRefusedError:
+                if start is not None and start.entry is not None:
+                    # a bundle of another size class (its guards read no size): never this one again
+                    self._bundle_keys.add(start.entry.key)
+                self.backend = None
+                raise
             self._after_first_run(versions, copies, args, kwargs)
             self._fast = fast
             total = time.perf_counter() - t0
@@ -385,13 +475,15 @@ class CompiledModel:
         if not (self._signature.objects or self._skip_bundle):
             subject = StartSubject(self.config, self.tag, self.module, self._forward_fn,
                                    tuple(self._signature.describe()), self.frame_locals)
-            start = WarmStart.open(subject, args, kwargs)
+            start = WarmStart.open(subject, args, kwargs, exclude=frozenset(self._bundle_keys))
         if start is not None and start.fast is not None:
             self.backend, self._guards = start.backend, start.guards
+            self._bundle_keys.add(start.entry.key)
             self._record_state()
             return start, start.fast
         self.backend = PiecewiseBackend(self.config, self.tag, call_signature=self._signature.describe(),
-                                        preloaded=start.preloaded if start is not None else None)
+                                        preloaded=start.preloaded if start is not None else None,
+                                        arg_aliases=self._arg_aliases())
         self.backend.prepare([*args, *kwargs.values()])
         with _marked_dynamic(self._signature.dynamic_tensors(args, kwargs), unbacked=self.config.dynamic_shapes == "unbacked"):
             cap = self._trace(args, kwargs)
@@ -402,7 +494,54 @@ class CompiledModel:
         self._record_state()
         if start is not None:
             start.save(self.backend, cap)
+            if start.saved_key is not None:
+                self._bundle_keys.add(start.saved_key)
         return start, fast
+
+    @staticmethod
+    def _start_size_class(cls: CompiledModel, args: tuple, kwargs: dict) -> Any:
+        """The first call of size class `cls` (or of a model whose warm start was refused): a bundle
+        whose trace refuses these sizes is set aside (`_first_call`) and the next one tried; with
+        none left, a trace at these sizes, which holds for them."""
+        from .warmstart import bundles_per_tag
+
+        for _ in range(bundles_per_tag() + 1):
+            try:
+                return cls._call_own(args, kwargs)
+            except SizeRefusedError:
+                if cls._fast is not None:
+                    raise
+        return cls._call_own(args, kwargs)
+
+    def _refusals_served(self) -> Any:
+        """While this model traces: sizes its trace does not hold for are served by size classes
+        (`_serve_size_class`), so the backend logs them at INFO rather than warning that they raise."""
+        from .backend import size_refusals_handled
+
+        root = self._size_class_of or self
+        if self.config.debug or self.config.max_size_classes <= len(root._size_classes) + 1:
+            return contextlib.nullcontext()
+        return size_refusals_handled()
+
+    def _arg_aliases(self) -> dict[str, str]:
+        """The traced function's argument references as the user names them: a forward wrapped by a
+        ``(*args, **kwargs)`` decorator (transformers' ``@can_return_tuple``) is traced with
+        ``args[0]`` and ``kwargs['input_ids']`` where the call passed ``input_ids``."""
+        raw = list(inspect.signature(self._forward_fn, follow_wrapped=False).parameters.values())
+        var_pos = next((p for p in raw if p.kind == p.VAR_POSITIONAL), None)
+        var_kw = next((p for p in raw if p.kind == p.VAR_KEYWORD), None)
+        named = [p.name for p in self._params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        out: dict[str, str] = {}
+        if var_pos is not None:
+            before = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in raw[:raw.index(var_pos)])
+            skip = 1 - min(before, 1)  # ``(*args)`` alone: args[0] is the module
+            for i, name in enumerate(named[max(before - 1, 0):]):
+                out[f"{var_pos.name}[{i + skip}]"] = name
+        if var_kw is not None:
+            for p in self._params:
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                    out[f"{var_kw.name}['{p.name}']"] = p.name
+        return out
 
     def _after_first_run(self, versions: list[int], copies: list, args: tuple, kwargs: dict) -> None:
         """Which tensor arguments the first run wrote in place (`CallSignature.note_writes`), and

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -77,8 +77,15 @@ class PiecewiseBackend:
     """
 
     def __init__(self, config: CompilationConfig, tag: str, call_signature: Sequence[Any] | None = None,
-                 preloaded: dict[str, Callable[..., Any]] | None = None) -> None:
+                 preloaded: dict[str, Callable[..., Any]] | None = None, arg_aliases: Mapping[str, str] | None = None,
+                 guarded_by_dynamo: bool = False) -> None:
         self.config = config
+        #: how the traced function's own argument names read as the user wrote the call
+        #: (``args[0]`` -> ``input_ids`` for a forward wrapped by a ``(*args, **kwargs)`` decorator)
+        self.arg_aliases: dict[str, str] = dict(arg_aliases or {})
+        #: Dynamo evaluates its guards on every call (``torch.compile(backend="piecewise")``): a size
+        #: the trace does not hold for recompiles there instead of being refused
+        self.guarded_by_dynamo = guarded_by_dynamo
         #: artifacts already loaded by a warm start that fell back to tracing, by name (not reloaded)
         self.preloaded: dict[str, Callable[..., Any]] = dict(preloaded or {})
         self.tag = tag
@@ -157,7 +164,7 @@ class PiecewiseBackend:
         self._argument_inputs = _argument_inputs(gm)
         self._written_inputs = written_inputs(gm, range(sum(n.op == "placeholder" for n in gm.graph.nodes)),
                                               frozenset(self.split_ops) | frozenset(registered_splitting_ops()))
-        self._input_names = _input_names(gm)
+        self._input_names = [_alias(n, self.arg_aliases) for n in _input_names(gm)]
         t0 = time.perf_counter()
         split = self._split(gm)
         self.timings["split"] = time.perf_counter() - t0
@@ -317,8 +324,12 @@ class PiecewiseBackend:
         refusal = (size_refusal(fake_mode.shape_env, fake_inputs, self._input_names, lo, self.config.max_num_tokens)
                    if symbol is not None else None)
         if refusal is not None and refusal.warning:
-            if _refusals_handled.get():
-                log.info("[%s] %s; the caller serves other sizes with other compiles", self.tag, refusal.warning)
+            if self.guarded_by_dynamo:
+                log.info("[%s] %s; Dynamo's guards send other sizes to another compile (counted in recompiles)",
+                         self.tag, refusal.warning)
+            elif _refusals_handled.get():
+                log.info("[%s] %s; other sizes get a trace of their own (a size class) on their first call",
+                         self.tag, refusal.warning)
             else:
                 log.warning("[%s] %s; other sizes are refused. %s", self.tag, refusal.warning, SIZE_REMEDY)
         plan = None
@@ -681,6 +692,15 @@ def _pretty_source(name: str) -> str:
     return re.sub(r"\.size\(\)\[(\d+)\]", r".shape[\1]", name)
 
 
+def _alias(name: str, aliases: Mapping[str, str]) -> str:
+    """`name` with a leading argument reference replaced by the user's name for it (`aliases`:
+    ``{"args[0]": "input_ids", "kwargs['input_ids']": "input_ids"}``)."""
+    for own, user in aliases.items():
+        if name == own or name.startswith((own + ".", own + "[")):
+            return user + name[len(own):]
+    return name
+
+
 def _input_names(gm: torch.fx.GraphModule) -> list[str]:
     """Each graph input's name for messages: its Dynamo source as the user writes it, else the
     placeholder's name."""
@@ -802,7 +822,7 @@ def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
                           "under torch.compile, generate() runs transformers' own KV cache, whose state and lengths "
                           "Dynamo guards, so it recompiles as they first change. piecewise.compile(model).generate(...) "
                           "serves every batch and length with one trace over a cache piecewise owns", stacklevel=2)
-    return PiecewiseBackend(config, tag)(gm, example_inputs)
+    return PiecewiseBackend(config, tag, guarded_by_dynamo=True)(gm, example_inputs)
 
 
 #: marks of transformers' cache objects in Dynamo's recompile reasons (`dynamo_backend` warns once)

@@ -150,7 +150,16 @@ class CompilationConfig:
             normalised to `PiecewisePass` objects here. The ``eager`` adaptor runs no passes.
         noop_elimination: run the built-in `piecewise.passes.NoOpElimination` first.
         reinplace_custom_ops: run the built-in `piecewise.passes.ReinplaceCustomOps` last.
-        debug: check on every call that the first trace's Dynamo guards still hold (slow).
+        debug: check on every call that the first trace's Dynamo guards still hold (slow); also
+            refuses sizes a trace does not hold for instead of tracing a size class for them.
+        max_size_classes: traces one compiled model may hold for its dynamic sizes (>= 1; default
+            4). A trace holds for the sizes its guards allow: a model that branches on a size (a
+            transformers mask built differently for one token or one sequence) gives a trace that
+            serves only part of ``[1, max_num_tokens]``. A call outside every trace so far gets a
+            trace of its own (a *size class*: logged at INFO with the guard and its source line,
+            counted in ``size_class_traces``, saved for warm starts like the first) until this many
+            exist; then such calls raise `SizeRefusedError`. 1 refuses every size the first trace
+            does not hold for. Not in the cache key.
         max_num_seqs: sequences (rows) the KV cache of transformers ``generate()`` holds: the
             largest batch one ``generate()`` call takes (`piecewise.models.hf_generate`).
         max_model_len: positions per sequence in that KV cache (prompt plus generated tokens),
@@ -188,6 +197,7 @@ class CompilationConfig:
     noop_elimination: bool = True
     reinplace_custom_ops: bool = True
     debug: bool = False
+    max_size_classes: int = 4
     max_num_seqs: int = 8
     max_model_len: int = 1024
     remote_cache: str | None = None
@@ -234,7 +244,7 @@ class CompilationConfig:
                                               or not self.remote_cache.startswith(REMOTE_SCHEMES)):
             raise ConfigError(f"remote_cache={self.remote_cache!r} must be a Redis URL: redis://host:port/db, "
                               "rediss://host:port/db or unix:///path/to/socket?db=N")
-        for name in ("max_num_tokens", "max_num_seqs", "max_model_len", "remote_connect_timeout_ms", "remote_io_timeout_ms"):
+        for name in ("max_num_tokens", "max_size_classes", "max_num_seqs", "max_model_len", "remote_connect_timeout_ms", "remote_io_timeout_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")

@@ -385,13 +385,24 @@ class _Laps:
         self.last = now
 
 
-def bundle_variant(sources: Mapping[str, str], modules: Mapping[str, str], global_values: Mapping[str, Any]) -> str:
+def bundle_variant(sources: Mapping[str, str], modules: Mapping[str, str], global_values: Mapping[str, Any],
+                   size_class: str = "") -> str:
     """What tells apart bundles of one start key, known only after a trace: the traced source files
     and their hashes, the files the traced modules came from (two scripts both run as ``__main__``,
-    two checkouts) and the recorded values of the globals ``forward`` read (a constant set from an
-    environment variable). Each variant is an entry of its own, ``<start key>-<variant>``."""
-    blob = json.dumps([sorted(sources.items()), sorted(modules.items()), sorted((k, repr(v)) for k, v in global_values.items())])
-    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+    two checkouts), the recorded values of the globals ``forward`` read (a constant set from an
+    environment variable) and the sizes the trace holds for (`size_class`: a model that branches
+    on a size keeps one bundle per size class). Each variant is an entry of its own,
+    ``<start key>-<variant>``."""
+    parts: list[Any] = [sorted(sources.items()), sorted(modules.items()), sorted((k, repr(v)) for k, v in global_values.items())]
+    if size_class:
+        parts.append(size_class)
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:8]
+
+
+def size_class(plan: CompiledPlan) -> str:
+    """The size guards a trace holds for, as text ('' when it holds for every size)."""
+    refusal = plan.size_refusal
+    return "" if refusal is None else repr([str(g) for g in refusal.guards])
 
 
 def bundle_entries(root: str, tag: str, rank_dir: str, key_glob: str = "*") -> list[tuple[float, str]]:
@@ -506,9 +517,16 @@ class WarmStart:
         self.phases: dict[str, float] = {}
         #: piece artifacts a failed warm start already loaded, handed to the tracing backend
         self.preloaded: dict[str, Any] = {}
+        #: bundle entry keys this start may not use (`open`)
+        self.exclude: frozenset[str] = frozenset()
+        #: the key of the bundle entry `save` wrote (None: none)
+        self.saved_key: str | None = None
 
     @classmethod
-    def open(cls, subject: StartSubject, args: tuple, kwargs: dict) -> WarmStart | None:
+    def open(cls, subject: StartSubject, args: tuple, kwargs: dict, exclude: frozenset[str] = frozenset()) -> WarmStart | None:
+        """The warm start of `subject` for this call (see class doc); `exclude`: bundle entry keys
+        not to use (the size classes a compiled model already holds, or one whose trace refused
+        this call's sizes)."""
         import time
 
 
@@ -522,6 +540,7 @@ class WarmStart:
         backend.prepare([*args, *kwargs.values()])  # settles what machine_factors reads (Inductor's ISA)
         factors = start_factors(backend, subject.module, call)
         start = cls(subject, root, start_key(factors), factors)
+        start.exclude = exclude
         start.phases["key"] = time.perf_counter() - t0
         if config.debug:
             return start  # debug mode always traces: it checks the full guards, identity guards included
@@ -555,7 +574,10 @@ class WarmStart:
             found = bundle_entries(self.root, self.tag, self.rank_dir, key_glob=f"{self.key}-*")
         out = []
         for _, path in found:
-            entry = CacheEntry(self.root, os.path.basename(os.path.dirname(os.path.dirname(path))), self.tag, rank=self.rank)
+            key = os.path.basename(os.path.dirname(os.path.dirname(path)))
+            if key in self.exclude:
+                continue
+            entry = CacheEntry(self.root, key, self.tag, rank=self.rank)
             if entry.open(None):
                 out.append(entry)
         return out
@@ -581,7 +603,7 @@ class WarmStart:
 
         candidates = self._candidates()
         if not candidates:
-            return self._no_bundle()
+            return "every bundle of this start key is in use for other sizes" if self.exclude else self._no_bundle()
         lap = _Laps(self.phases)
         reasons = []
         for entry in candidates:
@@ -670,7 +692,7 @@ class WarmStart:
         except Exception as e:
             log.info("[%s] no warm-start bundle saved: %s: %s", self.tag, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return
-        key = f"{self.key}-{bundle_variant(sources, modules, cap.global_values)}"
+        key = f"{self.key}-{bundle_variant(sources, modules, cap.global_values, size_class(plan))}"
         entry = CacheEntry(self.root, key, self.tag, rank=self.rank)
         entry.open(None)  # permissions (an unsafe directory is neither read nor written)
         entry.remote = self.remote  # published at its commit (not pulled: this process writes it)
@@ -678,6 +700,7 @@ class WarmStart:
             meta = {"kind": "bundle", "compile_key": plan.cache_key, "device": plan.device}
             entry.commit(meta, self.factors, backend.graph_code)
             if entry.writable:
+                self.saved_key = key
                 counters.bump("bundles_saved", tag=self.tag)
                 log.info("[%s] warm-start bundle saved as %s", self.tag, entry.rel)
                 removed = prune_bundles(self.root, self.tag, self.rank_dir, bundles_per_tag(), entry.path)

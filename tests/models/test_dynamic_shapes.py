@@ -90,7 +90,7 @@ def test_a_branch_on_the_size_is_refused_for_the_sizes_its_guard_excludes(mode, 
     every size: the guard Dynamo recorded is evaluated at compile time instead and the sizes it
     excludes raise `InputError`; a warm start from the bundle refuses them too."""
     cfg = CompilationConfig(backend="eager", mode="full", max_num_tokens=16, dynamic_shapes=mode, cache_dir=str(tmp_path),
-                            tag="branch")
+                            tag="branch", max_size_classes=1)
     cm = pw.compile(_BranchOnSize(), cfg, dynamic_arg_dims={"x": 0})
     x = torch.randn(6, 3)
     torch.testing.assert_close(cm(x), x * 2)
@@ -116,7 +116,7 @@ def test_the_memo_of_checked_sizes_stays_bounded(monkeypatch):
     from piecewise import compiled as compiled_module
 
     monkeypatch.setattr(compiled_module, "SIZES_MEMOISED", 3)
-    cm = pw.compile(_BranchOnSize(), CompilationConfig(backend="eager", mode="full", max_num_tokens=16),
+    cm = pw.compile(_BranchOnSize(), CompilationConfig(backend="eager", mode="full", max_num_tokens=16, max_size_classes=1),
                     dynamic_arg_dims={"x": 0})
     stitched = None
     for n in (6, 5, 7, 2, 8, 9, 3, 5, 10, 2, 6):
@@ -150,7 +150,8 @@ def test_a_guard_on_a_size_other_than_the_token_count_is_refused(backend, tmp_pa
     """Before, only guards on the token count were checked: with Inductor a batch of 2 after a
     first call with 1 returned wrong values silently. Now every dynamic size's guards are checked
     on each call, through a warm start too."""
-    cfg = CompilationConfig(backend=backend, mode="full", max_num_tokens=16, cache_dir=str(tmp_path), tag="last_proj")
+    cfg = CompilationConfig(backend=backend, mode="full", max_num_tokens=16, cache_dir=str(tmp_path), tag="last_proj",
+                            max_size_classes=1)
     dims = {"tokens": 0, "x": (0, 1)}
     model = _LastPositionProjection().eval()
     cm = pw.compile(model, cfg, dynamic_arg_dims=dims)
@@ -197,12 +198,13 @@ class _DivideBySize(torch.nn.Module):
 def test_input_dims_the_trace_tied_are_checked_on_every_call():
     """The trace gives y's dim x's symbol (or 2 * it): with the eager adaptor a y of 1 row would
     broadcast, and the traced side of a branch on the relation would run, silently."""
-    cfg = CompilationConfig(backend="eager", mode="full", max_num_tokens=16)
+    cfg = CompilationConfig(backend="eager", mode="full", max_num_tokens=16, max_size_classes=1)
     tied = pw.compile(_Tied(), cfg, dynamic_arg_dims={"x": 0, "y": 0})
     torch.testing.assert_close(tied(torch.ones(4, 3), torch.ones(4, 3)), torch.full((4, 3), 4.0))
     with pytest.raises(SizeRefusedError, match=r"y.shape\[0\] == x.shape\[0\]"):
         tied(torch.ones(5, 3), torch.ones(1, 3))
-    double = pw.compile(_Double(), CompilationConfig(backend="eager", mode="full", max_num_tokens=16, tag="double"),
+    double = pw.compile(_Double(), CompilationConfig(backend="eager", mode="full", max_num_tokens=16, tag="double",
+                                                     max_size_classes=1),
                         dynamic_arg_dims={"x": 0, "y": 0})
     y = torch.randn(6, 3)
     torch.testing.assert_close(double(torch.randn(3, 3), y), y * 2)
@@ -222,7 +224,8 @@ def test_a_guard_undefined_at_some_sizes_refuses_them():
     """x.shape[0] // (y.shape[0] - 1) is a division by zero at y.shape[0] == 1: refused there, not
     a crash of the compile."""
     model = _DivideBySize()
-    cm = pw.compile(model, CompilationConfig(backend="eager", mode="full", max_num_tokens=16), dynamic_arg_dims={"x": 0, "y": 0})
+    cm = pw.compile(model, CompilationConfig(backend="eager", mode="full", max_num_tokens=16, max_size_classes=1),
+                    dynamic_arg_dims={"x": 0, "y": 0})
     for n, m in ((9, 2), (12, 4), (16, 3)):
         x, y = torch.randn(n, 3), torch.randn(m, 3)
         for got, want in zip(cm(x, y), model(x, y)):

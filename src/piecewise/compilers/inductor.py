@@ -26,6 +26,7 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .._torch.inductor import size_oblivious_view_strides
 from ..cache.key import storage_aliases
 from ..errors import CompileError
 from ..ops import resolve_splitting_ops
@@ -190,7 +191,8 @@ class InductorAdaptor(CompilerAdaptor):
             user = list(user) if isinstance(user, (list, tuple)) else [user] if user else []
             patches["post_grad_custom_post_pass"] = _post_passes([AliasingMarker(aliases), *user])
             options["config_patches"] = patches
-        return self._standalone_compile_with(standalone_compile, graph, example_inputs, target, options)
+        with size_oblivious_view_strides():
+            return self._standalone_compile_with(standalone_compile, graph, example_inputs, target, options)
 
     def _standalone_compile_with(self, standalone_compile: Any, graph: torch.fx.GraphModule, example_inputs: Sequence[Any],
                                  target: CompileTarget, options: dict[str, Any]) -> Any:
