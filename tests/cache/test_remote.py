@@ -21,9 +21,12 @@ import pytest
 
 from cachehelp import run_worker
 from piecewise.bench.redis_server import RedisServer
+from piecewise.cache.remote import key_id
 
 KEY = "0123456789abcdef" * 2
 OTHER_KEY = "fedcba9876543210" * 2
+#: the writer namespaces of KEY, OTHER_KEY and of writers without a key
+NS, OTHER_NS, UNSIGNED = key_id(KEY.encode()), key_id(OTHER_KEY.encode()), "unsigned"
 
 
 @pytest.fixture(scope="module")
@@ -104,22 +107,28 @@ def _full(report):
     return report
 
 
-def _entries(redis):
-    return sorted(k.decode() for k in redis.scan_iter("pw:1:entry:*"))
+def _entries(redis, ns=NS):
+    """Redis keys of the entries namespace `ns` holds (default: KEY's)."""
+    return sorted(k.decode() for k in redis.scan_iter(f"pw:1:{ns}:entry:*"))
 
 
-def _compile_entry(redis):
-    """The one published compile entry (not a warm-start bundle)."""
-    for k in _entries(redis):
+def _compile_entry(redis, ns=NS):
+    """The one published compile entry of namespace `ns` (not a warm-start bundle)."""
+    for k in _entries(redis, ns):
         if b'"kind":"bundle"' not in redis.get(k):
             return k
-    raise AssertionError(_entries(redis))
+    raise AssertionError(_entries(redis, ns))
+
+
+def _rel(redis_key):
+    """The entry rel of a Redis entry key ``pw:1:<ns>:entry:<rel>``."""
+    return redis_key.split(":entry:", 1)[1]
 
 
 def test_an_empty_local_cache_starts_warm_from_what_another_process_published(redis, server, tmp_path):
     a = _run(tmp_path / "a", server.url)
     assert a["counters"]["compiler_invocations"] > 0 and a["counters"]["remote_publishes"] == 2  # compile entry, bundle
-    assert len(_entries(redis)) == 2 and redis.zcard(f"pw:1:bundles:rank_0_0/{_tag(redis)}") == 1
+    assert len(_entries(redis)) == 2 and redis.zcard(f"pw:1:{NS}:bundles:rank_0_0/{_tag(redis)}") == 1
     b = _run(tmp_path / "b", server.url)
     assert b["counters"]["bundle_hits"] == 1 and b["counters"]["dynamo_traces"] == 0
     assert b["counters"]["compiler_invocations"] == 0 and b["counters"]["remote_pulls"] == 2
@@ -134,32 +143,132 @@ def _tag(redis):
     return _compile_entry(redis).split("/")[-1]
 
 
-def test_an_entry_signed_with_another_key_is_refused_compiled_and_published_again(redis, server, tmp_path):
-    _run(tmp_path / "a", server.url, key=KEY)
-    b = _run(tmp_path / "b", server.url, key=OTHER_KEY)
-    assert b["counters"]["compiler_invocations"] > 0 and b["counters"]["remote_rejects"] >= 1
-    assert any("signature" in w for w in b["warnings"])
-    # b published its own compile over it: a third process with b's key loads it
-    c = _run(tmp_path / "c", server.url, key=OTHER_KEY)
-    assert c["counters"]["compiler_invocations"] == 0 and c["counters"]["remote_rejects"] == 0
+def test_replicas_without_the_fleet_key_publish_beside_it_and_the_fleet_still_starts_warm(redis, server, tmp_path):
+    """A K1 fleet, then a replica started without a key and one with another key: each compiles
+    for itself and publishes into its own namespace, never over K1's entries, so the next K1
+    replica still starts warm with no compile and no warning."""
+    first = _run(tmp_path / "k1", server.url, key=KEY)
+    assert first["counters"]["compiler_invocations"] > 0 and first["counters"]["remote_publishes"] == 2
+    signed = {k: redis.get(k) for k in _entries(redis, NS)}
+    keyless = _run(tmp_path / "none", server.url, key=None)
+    other = _run(tmp_path / "k2", server.url, key=OTHER_KEY)
+    for r in (keyless, other):  # they compile (they cannot verify K1's entries) and publish for their kind
+        assert r["counters"]["compiler_invocations"] == first["counters"]["compiler_invocations"], r
+        assert r["counters"]["remote_rejects"] == 0 and r["counters"]["remote_publishes"] == 2, r
+    assert len(_entries(redis, UNSIGNED)) == 2 and len(_entries(redis, OTHER_NS)) == 2
+    assert {k: redis.get(k) for k in _entries(redis, NS)} == signed  # K1's entries untouched
+    assert any("no signing key" in w for w in keyless["warnings"]) and not other["warnings"]
+    again = _run(tmp_path / "k1-again", server.url, key=KEY)
+    assert again["counters"]["bundle_hits"] == 1 and again["counters"]["dynamo_traces"] == 0
+    assert again["counters"]["compiler_invocations"] == 0 and again["counters"]["remote_rejects"] == 0
+    assert not again["warnings"]
+    # without bundles, the compile entry alone: a trace and a cache hit, no compile
+    c = _run(tmp_path / "k1-entry", server.url, key=KEY, PIECEWISE_DISABLE_BUNDLE="1")
+    assert c["counters"]["cache_hits"] == 1 and c["counters"]["compiler_invocations"] == 0 and not c["warnings"]
+    # and K2's next replica loads what K2 published
+    k2 = _run(tmp_path / "k2-again", server.url, key=OTHER_KEY)
+    assert k2["counters"]["compiler_invocations"] == 0 and k2["counters"]["bundle_hits"] == 1
+
+
+def test_a_fresh_replica_process_with_the_fleet_key_compiles_nothing_after_foreign_writers(redis, server, tmp_path):
+    """The same as real processes: the worker's counters, not this process's."""
+    first = _run_process(tmp_path / "k1", server.url, key=KEY)
+    _run_process(tmp_path / "none", server.url, key=None)
+    _run_process(tmp_path / "k2", server.url, key=OTHER_KEY)
+    again = _run_process(tmp_path / "k1-again", server.url, key=KEY)
+    assert first["counters"]["compiler_invocations"] > 0
+    assert again["counters"]["compiler_invocations"] == 0 and again["counters"]["bundle_hits"] == 1
+    assert again["counters"]["remote_rejects"] == 0 and not again["warnings"]
+
+
+def test_an_entry_signed_with_another_key_in_the_fleets_namespace_is_refused_and_replaced(redis, server, tmp_path):
+    """A value under K1's namespace that K1 cannot verify (written there by hand, or damaged) is
+    refused with one warning and replaced by the reader's own signed compile."""
+    from piecewise.cache.remote import make_envelope, parse_envelope
+
+    _run(tmp_path / "a", server.url, key=KEY, PIECEWISE_DISABLE_BUNDLE="1")
+    key = _compile_entry(redis)
+    body = json.loads(redis.get(key).split(b"\n", 1)[1])
+    redis.set(key, make_envelope(body, OTHER_KEY.encode()))
+    b = _run(tmp_path / "b", server.url, key=KEY, PIECEWISE_DISABLE_BUNDLE="1")
+    assert b["counters"]["remote_rejects"] == 1 and b["counters"]["compiler_invocations"] > 0
+    assert len([w for w in b["warnings"] if "signature" in w]) == 1
+    assert parse_envelope(redis.get(key), _rel(key), KEY.encode(), False)[0] is not None  # K1-signed again
+
+
+def test_a_short_signing_key_is_a_config_error_at_the_first_call(redis, server, tmp_path, monkeypatch):
+    import torch
+
+    import piecewise as pw
+    from piecewise.cache import remote
+    from piecewise.errors import ConfigError
+    from piecewise.models.toy import TwoSplitModel
+
+    monkeypatch.setenv("PIECEWISE_CACHE_KEY", "fleet-secret")
+    monkeypatch.setenv("PIECEWISE_REMOTE_CACHE", server.url)
+    remote._tiers.clear()
+    with pytest.raises(ConfigError, match=r"has 12 bytes; it needs at least 16.*secrets\.token_hex\(32\)"):
+        remote.load_key()
+    with pytest.raises(ConfigError, match="PIECEWISE_CACHE_KEY"):
+        remote.remote_cache(server.url)
+    for bundle in ("", "1"):  # the warm-start lookup and the compile entry both set up the tier
+        monkeypatch.setenv("PIECEWISE_DISABLE_BUNDLE", bundle)
+        torch._dynamo.reset()
+        model = TwoSplitModel()
+        cm = pw.compile(model, pw.CompilationConfig(backend="eager", max_num_tokens=16), dynamic_arg_dims={"x": 0})
+        with pytest.raises(ConfigError, match="12 bytes"):
+            cm(torch.randn(3, 8))
+    assert _entries(redis, UNSIGNED) == [] and redis.dbsize() == 0  # nothing went out unsigned
+    # the command line: one line, exit status 2
+    p = subprocess.run([sys.executable, "-m", "piecewise.cli", "cache", "ls", "--remote", server.url],
+                       capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "12 bytes" in p.stderr and "token_hex" in p.stderr
+    # a key of 16 bytes and more is used
+    monkeypatch.setenv("PIECEWISE_CACHE_KEY", "x" * 16)
+    assert remote.remote_cache(server.url).namespace == key_id(b"x" * 16)
+
+
+def test_cache_ls_remote_shows_each_writer_and_what_this_key_loads(redis, server, tmp_path):
+    env = {"PIECEWISE_DISABLE_BUNDLE": "1"}
+    _run(tmp_path / "k1", server.url, key=KEY, **env)
+    _run(tmp_path / "none", server.url, key=None, **env)
+    _run(tmp_path / "k2", server.url, key=OTHER_KEY, **env)
+    rel = _rel(_compile_entry(redis))
+    p = subprocess.run([sys.executable, "-m", "piecewise.cli", "cache", "ls", "--remote", server.url],
+                       capture_output=True, text=True, env=dict(os.environ, PIECEWISE_CACHE_KEY=KEY), timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith(f"{server.url}: 3 entries in 3 writer namespaces; this process writes {NS}"), lines
+    rows = {ln.split()[0]: ln for ln in lines[1:]}
+    assert set(rows) == {NS, OTHER_NS, UNSIGNED}, lines
+    import socket as socket_module
+
+    for ns, row in rows.items():
+        assert rel in row and f"{socket_module.gethostname()} pid {os.getpid()}" in row and "MB" in row, row
+    assert rows[NS].endswith("loads here (signed by this key)")
+    assert rows[OTHER_NS].endswith("not loaded here (signed by another key)")
+    assert "not loaded here (unsigned" in rows[UNSIGNED]
 
 
 def test_unsigned_entries_load_only_when_allowed(redis, server, tmp_path):
     """(writer key, reader key, allow unsigned) -> loads: one writer of each kind, four readers."""
-    cases = {None: [(KEY, "", False),     # unsigned entry, reader with a key: refused
+    cases = {None: [(KEY, "", False),     # unsigned entry, reader with a key: not read
                     (KEY, "1", True),     # ... unless told to
-                    (None, "1", True)],   # a keyless fleet that opted in
-             KEY: [(None, "", False)]}    # signed entry, reader without a key cannot verify: refused
+                    (None, "1", True),    # a keyless fleet that opted in
+                    (None, "", False)],   # a keyless reader that did not
+             KEY: [(None, "", False),     # signed entry, reader without a key cannot verify: not read
+                   (None, "1", False)]}   # ... nor with unsigned entries allowed (another namespace)
     for writer, readers in cases.items():
-        redis.flushall()
-        _run(tmp_path / f"w-{writer}", server.url, key=writer)
         for i, (reader, allow, loads) in enumerate(readers):
+            redis.flushall()  # each reader meets the writer's entries alone
+            _run(tmp_path / f"w-{writer}-{i}", server.url, key=writer)
+            written = {k: redis.get(k) for k in redis.scan_iter("pw:1:*:entry:*")}
             r = _run(tmp_path / f"r-{writer}-{i}", server.url, key=reader, PIECEWISE_REMOTE_ALLOW_UNSIGNED=allow)
             assert (r["counters"]["compiler_invocations"] == 0) is loads, (writer, reader, allow)
-            assert (r["counters"]["remote_rejects"] > 0) is not loads, (writer, reader, allow)
-            if not loads:  # the reader published its own compile over the refused entry: restore it
-                redis.flushall()
-                _run(tmp_path / f"w-{writer}-{i}", server.url, key=writer)
+            assert r["counters"]["remote_rejects"] == 0, (writer, reader, allow)
+            if reader != writer:  # whatever it published went beside the writer's entries, not over them
+                assert all(redis.get(k) == v for k, v in written.items()), (writer, reader, allow)
 
 
 def _flip(raw: bytes) -> bytes:
@@ -305,10 +414,11 @@ def test_a_killed_compilers_lease_expires_and_a_waiter_compiles(redis, server, t
     # learn the entry's name from a process like the waiter (the key holds the registered splitting
     # ops, which in this test process include other tests' ops), then forget it
     probe = _run_process(tmp_path / "probe", server.url, **env)
-    rel = _compile_entry(redis)[len("pw:1:entry:"):]
+    rel = _rel(_compile_entry(redis))
     redis.flushall()
     redis.config_resetstat()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, server.url, rel], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, server.url, rel], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PIECEWISE_CACHE_KEY=KEY))  # the lease lives in the key's namespace
     out = {}
     waiter = threading.Thread(target=lambda: out.update(r=_run_process(tmp_path / "b", server.url, **env)))
     try:
@@ -342,18 +452,25 @@ def test_remote_settings_are_validated(tmp_path):
     assert "remote_cache" not in cfg.code_factors()  # where the cache lives is not what it holds
 
 
-def test_a_key_file_others_can_read_is_not_used(tmp_path, monkeypatch):
+def test_a_key_file_the_product_would_not_use_is_a_config_error(tmp_path, monkeypatch):
     from piecewise.cache import remote
+    from piecewise.errors import ConfigError
 
     f = tmp_path / "key"
     f.write_text(KEY)
     monkeypatch.delenv("PIECEWISE_CACHE_KEY", raising=False)
     monkeypatch.setenv("PIECEWISE_CACHE_KEY_FILE", str(f))
     os.chmod(f, 0o644)
-    with pytest.warns(RuntimeWarning, match="chmod 600"):
-        assert remote.load_key() is None
+    with pytest.raises(ConfigError, match="chmod 600"):
+        remote.load_key()
     os.chmod(f, 0o600)
     assert remote.load_key() == KEY.encode()
+    f.write_text("short\n")
+    with pytest.raises(ConfigError, match=r"PIECEWISE_CACHE_KEY_FILE=.* has 5 bytes.*token_hex"):
+        remote.load_key()
+    monkeypatch.setenv("PIECEWISE_CACHE_KEY_FILE", str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match="cannot read the key file"):
+        remote.load_key()
 
 
 def test_cli_push_pull_and_ls(redis, server, tmp_path):
@@ -371,7 +488,7 @@ def test_cli_push_pull_and_ls(redis, server, tmp_path):
     out = cli("push", "--remote", server.url, "--root", str(tmp_path / "a"))
     assert "pushed 1" in out and len(_entries(redis)) == 1
     listing = cli("ls", "--remote", server.url)
-    assert "signed" in listing and _entries(redis)[0][len("pw:1:entry:"):] in listing
+    assert "signed by this key" in listing and _rel(_entries(redis)[0]) in listing
     out = cli("pull", "--remote", server.url, "--root", str(tmp_path / "b"))
     assert "pulled 1" in out
     b = _run(tmp_path / "b", "", **env)
@@ -384,13 +501,14 @@ def test_a_keyed_reader_never_signs_what_it_pulled_unsigned(redis, server, tmp_p
     would sign the unsigned writer's artifacts for strict readers, so it does not publish."""
     env = {"PIECEWISE_DISABLE_BUNDLE": "1"}
     _run(tmp_path / "w", server.url, key=None, **env)
-    key = _compile_entry(redis)
+    key = _compile_entry(redis, UNSIGNED)
     redis.delete(sorted(redis.scan_iter("pw:1:blob:*"))[0])
     r = _run(tmp_path / "r", server.url, key=KEY, PIECEWISE_REMOTE_ALLOW_UNSIGNED="1", **env)
     assert r["counters"]["remote_pulls"] == 1 and r["counters"]["compiler_invocations"] > 0
     assert r["counters"]["remote_publishes"] == 0 and redis.get(key).startswith(b"PWR1 -\n")
+    assert _entries(redis, NS) == []
     strict = _run(tmp_path / "s", server.url, key=KEY, **env)
-    assert strict["counters"]["remote_rejects"] >= 1 and strict["counters"]["compiler_invocations"] > 0
+    assert strict["counters"]["remote_pulls"] == 0 and strict["counters"]["compiler_invocations"] > 0
 
 
 def test_an_unchanged_entry_is_published_without_uploading_its_artifacts_again(redis, server, tmp_path):
@@ -414,22 +532,23 @@ def test_an_unchanged_entry_is_published_without_uploading_its_artifacts_again(r
 def test_a_key_of_the_wrong_type_is_a_miss_not_an_outage(redis, server, tmp_path):
     env = {"PIECEWISE_DISABLE_BUNDLE": "1", "PIECEWISE_REMOTE_WAIT_S": "120"}
     probe = _run(tmp_path / "probe", server.url, **env)
-    rel = _compile_entry(redis)[len("pw:1:entry:"):]
+    rel = _rel(_compile_entry(redis))
     for where in ("entry", "lease"):
         redis.flushall()
-        redis.rpush(f"pw:1:{where}:{rel}", b"x")  # a list where a string belongs
+        redis.rpush(f"pw:1:{NS}:{where}:{rel}", b"x")  # a list where a string belongs
         r = _run(tmp_path / where, server.url, **env)
         assert r["counters"]["remote_errors"] == 0 and r["counters"]["remote_waits"] == 0, where
         assert r["counters"]["compiler_invocations"] == probe["counters"]["compiler_invocations"], where
-        assert redis.type(f"pw:1:entry:{rel}") == b"string", where  # published over it
+        assert redis.type(f"pw:1:{NS}:entry:{rel}") == b"string", where  # published over it
 
 
 def test_entry_names_that_leave_the_root_are_ignored(redis, server, tmp_path):
     from piecewise.cache.remote import make_envelope
 
     rel = "../../escaped/rank_0_0/x"
-    redis.set(f"pw:1:entry:{rel}", make_envelope({"rel": rel, "index": {}, "files": {"computation_graph.py": "x"}}, None))
-    env = dict(os.environ, PIECEWISE_REMOTE_ALLOW_UNSIGNED="1")
+    redis.set(f"pw:1:{UNSIGNED}:entry:{rel}", make_envelope({"rel": rel, "index": {}, "files": {"computation_graph.py": "x"}},
+                                                              None))
+    env = dict(os.environ, PIECEWISE_REMOTE_ALLOW_UNSIGNED="1", PIECEWISE_CACHE_KEY="")
     root = tmp_path / "deep" / "er" / "root"
     p = subprocess.run([sys.executable, "-m", "piecewise.cli", "cache", "pull", "--remote", server.url, "--root", str(root)],
                        capture_output=True, text=True, env=env, timeout=120)

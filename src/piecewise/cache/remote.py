@@ -11,47 +11,63 @@ entry once. A killed compiler's lease expires within `LEASE_MS`.
 
 Keys, under ``pw:<REMOTE_FORMAT>:``::
 
-    entry:<rel>                 the envelope of local entry <rel> (<key>/rank_<r>_<dp>/<tag>)
-    blob:<sha256>               an artifact's bytes (content-addressed: equal pieces share one)
-    lease:<rel>                 the compile lease of <rel> (a random token; expires)
-    bundles:<rank_dir>/<tag>    sorted set of warm-start bundle rels (score: publish time)
+    blob:<sha256>                            an artifact's bytes (content-addressed: equal pieces share one,
+                                             whoever wrote them; a reader checks the sha256 its trusted
+                                             index names)
+    <ns>:entry:<rel>                         the envelope of local entry <rel> (<key>/rank_<r>_<dp>/<tag>)
+    <ns>:lease:<rel>                         the compile lease of <rel> (a random token; expires)
+    <ns>:bundles:<rank_dir>/<tag>            sorted set of warm-start bundle rels (score: publish time)
+
+``<ns>`` is the writer's namespace (`key_id`): ``key-<16 hex>`` (HMAC-SHA256 of a fixed label
+under the signing key: the key's fingerprint, not the key) or ``unsigned`` for a writer without a
+key. A writer publishes, and takes leases, only in its own namespace, so a replica started without
+the fleet's key, or with another key, never replaces an entry the fleet signed: it compiles for
+itself and publishes beside the fleet, and the fleet keeps loading its own entries. An envelope's
+body records its writer (namespace, host, pid, time); ``piecewise cache ls --remote URL`` lists
+every namespace's entries with it.
 
 Trust: loading an artifact runs its code, so a writable Redis must not be a way in. An envelope is
 ``b"PWR1 " + <hex HMAC-SHA256 or "-"> + b"\\n" + <canonical JSON>``; the JSON names its own
 <rel>, so a valid envelope cannot be replayed under another entry. A reader with a key
-(``PIECEWISE_CACHE_KEY``, or ``PIECEWISE_CACHE_KEY_FILE``: a file only its owner can read) loads
-only envelopes its key signed; unsigned ones only with ``PIECEWISE_REMOTE_ALLOW_UNSIGNED=1``, which
-is also the only way a reader without a key loads anything. A bad signature, a truncated or altered
-value, or an artifact whose sha256 differs: one warning, nothing loaded, the entry compiled
-locally and published again over it.
+(``PIECEWISE_CACHE_KEY``, or ``PIECEWISE_CACHE_KEY_FILE``: a file only its owner can read) reads its
+own namespace and loads only envelopes its key signed; with ``PIECEWISE_REMOTE_ALLOW_UNSIGNED=1`` it
+also reads the ``unsigned`` namespace (after its own), which is the only way a reader without a key
+loads anything. A key the product would not use (under 16 bytes, a key file others can read) is a
+`ConfigError` when the tier is set up, not a silent fall back to unsigned entries. A bad signature,
+a truncated or altered value, or an artifact whose sha256 differs: one warning, nothing loaded, the
+entry compiled locally and published again over it (in the reader's own namespace, which its
+fleet verifies).
 
 Faults: every Redis call has bounded timeouts (connect 100 ms, reads 1 s by default: the config's
 ``remote_connect_timeout_ms`` / ``remote_io_timeout_ms``). A failing server (down, slow, full,
 evicting) costs one warning per process; the tier then rests for `REST_S` before it is tried
 again, and the model runs from the local tier or a local compile. Nothing here raises into the
-model.
+model once the tier is set up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
 import logging
 import os
 import secrets
+import socket
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..errors import ConfigError
 from ..fingerprint import canonical_json
 from .store import (ARTIFACTS, FACTORS, GRAPH, INDEX, CacheIndexError, atomic_write, encode_index, make_dirs,
                     parse_index, read_index, report_once)
 
-__all__ = ["RemoteCache", "Lease", "claim_or_wait", "remote_cache", "remote_url", "REMOTE_FORMAT", "LEASE_MS", "REST_S", "load_key",
-           "parse_envelope", "make_envelope"]
+__all__ = ["RemoteCache", "RemoteEntry", "Lease", "claim_or_wait", "remote_cache", "remote_url", "REMOTE_FORMAT", "LEASE_MS",
+           "REST_S", "UNSIGNED", "load_key", "key_id", "parse_envelope", "make_envelope"]
 
 log = logging.getLogger("piecewise")
 
@@ -77,33 +93,56 @@ def remote_url(configured: str | None) -> str | None:
     return configured or os.environ.get("PIECEWISE_REMOTE_CACHE") or None
 
 
+#: the namespace of writers without a signing key
+UNSIGNED = "unsigned"
+_MAKE_KEY = 'python -c "import secrets; print(secrets.token_hex(32))"'
+
+
 def load_key() -> bytes | None:
     """The signing key: ``PIECEWISE_CACHE_KEY`` (text, at least 16 bytes) or the contents of
     ``PIECEWISE_CACHE_KEY_FILE`` (a regular file owned by this user that no one else can read or
-    write). None, with one warning, when the key is too short or the file is not private."""
+    write, at least 16 bytes); None when neither is set.
+
+    Raises:
+        ConfigError: a key is set that would not be used (too short; a key file that is not
+            private, not a regular file, or unreadable). Silently going unsigned would split the
+            fleet (docs/design.md §5.6); the message names the remedy.
+    """
     text = os.environ.get("PIECEWISE_CACHE_KEY")
     path = os.environ.get("PIECEWISE_CACHE_KEY_FILE")
     if text:
-        key = text.encode()
+        key, source = text.encode(), "PIECEWISE_CACHE_KEY"
     elif path:
+        source = f"PIECEWISE_CACHE_KEY_FILE={path}"
         try:
             st = os.stat(path)
             if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
-                report_once(f"keyfile:{path}", f"piecewise remote cache: key file {path} must be a regular file of "
-                            "this user readable by no one else (chmod 600); not signing or verifying with it")
-                return None
+                raise ConfigError(f"piecewise remote cache: the key file {path} (PIECEWISE_CACHE_KEY_FILE) must be a "
+                                  "regular file of this user that no one else can read or write; chmod 600 it")
             with open(path, "rb") as f:
                 key = f.read().strip()
         except OSError as e:
-            report_once(f"keyfile:{path}", f"piecewise remote cache: cannot read key file {path} ({e})")
-            return None
+            raise ConfigError(f"piecewise remote cache: cannot read the key file {path} (PIECEWISE_CACHE_KEY_FILE): "
+                              f"{e.strerror or e}") from None
     else:
         return None
     if len(key) < _MIN_KEY_BYTES:
-        report_once("key:short", f"piecewise remote cache: the signing key has {len(key)} bytes; give at least "
-                    f"{_MIN_KEY_BYTES} (e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
-        return None
+        raise ConfigError(f"piecewise remote cache: the signing key ({source}) has {len(key)} bytes; it needs at least "
+                          f"{_MIN_KEY_BYTES} (32 random bytes recommended). Make one with {_MAKE_KEY} and give the "
+                          "same key to every replica of the fleet")
     return key
+
+
+def key_id(key: bytes | None) -> str:
+    """The namespace a writer with `key` publishes under: ``"unsigned"`` without a key, else
+    ``"key-"`` and the first 16 hex digits of HMAC-SHA256(key, "piecewise cache key id") (a
+    fingerprint that names the key without revealing it).
+
+    Example: ``key_id(None) == "unsigned"``; ``key_id(b"0123456789abcdef")`` is ``"key-"`` + 16 hex.
+    """
+    if key is None:
+        return UNSIGNED
+    return "key-" + hmac.new(key, b"piecewise cache key id", hashlib.sha256).hexdigest()[:16]
 
 
 def _allow_unsigned() -> bool:
@@ -168,24 +207,82 @@ def valid_rel(rel: str) -> bool:
             and bool(parts[2]) and not parts[2].startswith(".") and "\\" not in parts[2] and "\x00" not in parts[2])
 
 
+@dataclasses.dataclass
+class RemoteEntry:
+    """One published entry as `RemoteCache.listing` finds it (for operators).
+
+    Attributes:
+        namespace: the writer's namespace (`key_id`): ``key-<16 hex>`` or ``unsigned``.
+        rel: the entry, ``<key>/rank_<r>_<dp>/<tag>``.
+        kind: ``"compile"`` or ``"bundle"`` (a warm-start bundle); ``"?"`` for an unreadable envelope.
+        artifacts: artifacts its index names.
+        bytes: the envelope's bytes plus its artifacts' (as the index records them).
+        host, pid, time: the writer as the envelope records it (None when not recorded: an entry
+            of an older version; for an envelope this process cannot verify, what it claims).
+        state: what this process makes of it: ``"loads here (signed by this key)"``, ``"loads here
+            (unsigned, allowed)"``, ``"not loaded here (...)"`` or ``"refused: <why>"``.
+    """
+
+    namespace: str
+    rel: str
+    kind: str
+    artifacts: int
+    bytes: int
+    host: str | None
+    pid: int | None
+    time: float | None
+    state: str
+
+
 class RemoteCache:
     """One Redis server as the remote tier (module doc). Methods never raise: a Redis failure is
-    reported once, rests the tier for `REST_S`, and reads as a miss."""
+    reported once, rests the tier for `REST_S`, and reads as a miss.
 
-    def __init__(self, url: str, connect_timeout_ms: int = 100, io_timeout_ms: int = 1000) -> None:
+    Args:
+        url: the Redis URL.
+        connect_timeout_ms, io_timeout_ms: the budget of one call (see `_call`).
+        key: the signing key (at least 16 bytes; None: unsigned); by default `load_key` (the
+            environment's), read once here.
+
+    Raises:
+        ConfigError: the key is set but unusable (`load_key`; a `key` under 16 bytes).
+
+    Example::
+
+        tier = RemoteCache("redis://cache:6379/0")   # PIECEWISE_CACHE_KEY signs and verifies
+        tier.namespace                              # 'key-1f0c...' (or 'unsigned')
+    """
+
+    def __init__(self, url: str, connect_timeout_ms: int = 100, io_timeout_ms: int = 1000,
+                 key: bytes | None | object = ...) -> None:
         self.url = url
         self.connect_timeout_ms = connect_timeout_ms
         self.io_timeout_ms = io_timeout_ms
+        #: the signing key (None: this process writes unsigned entries)
+        self.key: bytes | None = load_key() if key is ... else key  # type: ignore[assignment]
+        if self.key is not None and len(self.key) < _MIN_KEY_BYTES:
+            raise ConfigError(f"piecewise remote cache: the signing key has {len(self.key)} bytes; it needs at least "
+                              f"{_MIN_KEY_BYTES}. Make one with {_MAKE_KEY}")
+        #: this writer's namespace (`key_id`)
+        self.namespace = key_id(self.key)
+        #: shared keys (blobs)
         self.prefix = f"pw:{REMOTE_FORMAT}:"
+        #: this writer's entries, leases and bundle lists
+        self.ns_prefix = f"{self.prefix}{self.namespace}:"
         self._client: Any = None
         self._resting_until = 0.0
         self._slow = 0
         self._lock = threading.Lock()
 
     # -- plumbing -----------------------------------------------------------------------------
-    @property
-    def key(self) -> bytes | None:
-        return load_key()
+    def read_namespaces(self) -> list[str]:
+        """The namespaces this process loads from, in order: its own when it has a key, then
+        ``unsigned`` when ``PIECEWISE_REMOTE_ALLOW_UNSIGNED`` is set (none for a keyless process
+        that does not allow unsigned entries)."""
+        out = [self.namespace] if self.key is not None else []
+        if _allow_unsigned():
+            out.append(UNSIGNED)
+        return out
 
     def _redis(self) -> Any:
         if self._client is None:
@@ -271,14 +368,21 @@ class RemoteCache:
         if not valid_rel(rel):
             self._reject(rel, "its name is not an entry path (<key>/rank_<r>_<d>/<tag>)")
             return False
-        raw = self._call("read an entry", lambda r: r.get(self.prefix + "entry:" + rel))
-        if not isinstance(raw, bytes):
-            return False
-        key = self.key
-        body, why, signed = parse_envelope(raw, rel, key, _allow_unsigned())
-        if body is None:
-            self._reject(rel, why)
-            return False
+        for ns in self.read_namespaces():
+            raw = self._call("read an entry", lambda r, ns=ns: r.get(f"{self.prefix}{ns}:entry:{rel}"))
+            if not isinstance(raw, bytes):
+                continue
+            # a signed namespace holds only its key's signatures; unsigned ones only where allowed
+            body, why, signed = parse_envelope(raw, rel, self.key, ns == UNSIGNED)
+            if body is None:
+                self._reject(rel, why)
+                continue
+            return self._write_local(root, rel, body, signed)
+        return False
+
+    def _write_local(self, root: str, rel: str, body: dict[str, Any], signed: bool) -> bool:
+        """Check a trusted envelope's index, fetch and verify its artifacts and write the entry
+        under `root` (the second half of `pull`)."""
         idx = body["index"]
         try:  # the same checks as a local index (format, checksum, paths inside the root)
             _check_index(idx, rel)
@@ -330,35 +434,76 @@ class RemoteCache:
         return True
 
     def bundle_rels(self, rank_dir: str, tag: str, prefix: str = "") -> list[str]:
-        """Published warm-start bundle rels of `tag`, newest first, whose key starts with `prefix`."""
-        rels = self._call("list bundles", lambda r: r.zrevrange(self.prefix + f"bundles:{rank_dir}/{tag}", 0, -1), []) or []
-        out = [x.decode(errors="replace") if isinstance(x, bytes) else str(x) for x in rels]
-        return [x for x in out if x.startswith(prefix) and valid_rel(x)]
+        """Published warm-start bundle rels of `tag` whose key starts with `prefix`, from the
+        namespaces this process reads (its own first), newest first within each."""
+        out: list[str] = []
+        for ns in self.read_namespaces():
+            rels = self._call("list bundles", lambda r, ns=ns: r.zrevrange(f"{self.prefix}{ns}:bundles:{rank_dir}/{tag}", 0, -1),
+                              []) or []
+            for x in rels:
+                x = x.decode(errors="replace") if isinstance(x, bytes) else str(x)
+                if x.startswith(prefix) and valid_rel(x) and x not in out:
+                    out.append(x)
+        return out
 
-    def entries(self) -> Iterator[str]:
-        """Every published entry rel (SCAN: for operators, not the serving path)."""
-        keys = self._call("list entries", lambda r: list(r.scan_iter(match=self.prefix + "entry:*", count=500)), []) or []
-        n = len(self.prefix + "entry:")
-        for k in sorted(keys):
-            rel = (k.decode(errors="replace") if isinstance(k, bytes) else k)[n:]
-            if valid_rel(rel):
-                yield rel
+    def _scan(self, pattern: str) -> list[tuple[str, str, bytes]]:
+        """(namespace, rel, Redis key) of every entry key matching `pattern` (SCAN), sorted."""
+        keys = self._call("list entries", lambda r: list(r.scan_iter(match=pattern, count=500)), []) or []
+        out = []
+        for k in keys:
+            name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
+            ns, sep, rest = name[len(self.prefix):].partition(":")
+            rel = rest[len("entry:"):]
+            if sep and rest.startswith("entry:") and (ns == UNSIGNED or ns.startswith("key-")) and valid_rel(rel):
+                out.append((ns, rel, k if isinstance(k, bytes) else k.encode()))
             else:
                 log.warning("remote cache: ignoring Redis key %r: not an entry path", k)
+        return sorted(out)
 
-    def status(self, rel: str) -> str:
-        """What a reader here would make of entry `rel`: ``signed``, ``unsigned``, ``signed (no
-        key here to verify it)``, ``refused: <why>``, or ``gone``."""
-        raw = self._call("read an entry", lambda r: r.get(self.prefix + "entry:" + rel))
-        if raw is None:
-            return "gone"
-        if raw.startswith(_MAGIC) and raw[len(_MAGIC):].split(b"\n", 1)[0] == b"-":
-            return "unsigned"
-        key = self.key
-        if key is None and raw.startswith(_MAGIC):
-            return "signed (no key here to verify it)"
-        body, why, _ = parse_envelope(raw, rel, key, False)
-        return "signed" if body is not None else f"refused: {why}"
+    def entries(self) -> Iterator[str]:
+        """Every published entry rel this process would load from (its read namespaces; SCAN:
+        for operators, not the serving path)."""
+        seen: set[str] = set()
+        for ns in self.read_namespaces():
+            for _, rel, _ in self._scan(f"{self.prefix}{ns}:entry:*"):
+                if rel not in seen:
+                    seen.add(rel)
+                    yield rel
+
+    def listing(self) -> list[RemoteEntry]:
+        """Every published entry of every namespace, with its writer and what this process makes
+        of it (`RemoteEntry`), sorted by namespace and rel; for ``piecewise cache ls --remote``."""
+        found = self._scan(f"{self.prefix}*:entry:*")
+        raws = self._call("read entries", lambda r: r.mget([k for _, _, k in found]), None) if found else []
+        out = []
+        for (ns, rel, _), raw in zip(found, raws or []):
+            if not isinstance(raw, bytes):
+                continue  # gone since the scan
+            out.append(self._describe(ns, rel, raw))
+        return out
+
+    def _describe(self, ns: str, rel: str, raw: bytes) -> RemoteEntry:
+        if ns == UNSIGNED:
+            state = ("loads here (unsigned, allowed by PIECEWISE_REMOTE_ALLOW_UNSIGNED)" if _allow_unsigned()
+                     else "not loaded here (unsigned; PIECEWISE_REMOTE_ALLOW_UNSIGNED=1 loads it)")
+            body, why, _ = parse_envelope(raw, rel, None, True)
+        elif ns != self.namespace:
+            state = "not loaded here (signed by another key)"
+            body, why, _ = parse_envelope(raw, rel, None, True)  # read, not verified: shown as claimed
+        else:
+            body, why, _ = parse_envelope(raw, rel, self.key, False)
+            state = "loads here (signed by this key)"
+        if body is None:
+            return RemoteEntry(ns, rel, "?", 0, len(raw), None, None, None, f"refused: {why}")
+        idx = body["index"]
+        arts = idx.get("artifacts") if isinstance(idx.get("artifacts"), dict) else {}
+        size = len(raw) + sum(r.get("bytes", 0) for r in arts.values() if isinstance(r, dict) and isinstance(r.get("bytes"), int))
+        meta = idx.get("meta") if isinstance(idx.get("meta"), dict) else {}
+        w = body.get("writer") if isinstance(body.get("writer"), dict) else {}
+        return RemoteEntry(ns, rel, "bundle" if meta.get("kind") == "bundle" else "compile", len(arts), size,
+                           w.get("host") if isinstance(w.get("host"), str) else None,
+                           w.get("pid") if isinstance(w.get("pid"), int) else None,
+                           w.get("time") if isinstance(w.get("time"), (int, float)) else None, state)
 
     def _reject(self, rel: str, why: str) -> None:
         from ..counters import counters
@@ -413,12 +558,14 @@ class RemoteCache:
                 continue  # the local file changed under us; the index is rewritten by its next commit
             if not self._call("write an artifact", lambda r: r.set(self.prefix + "blob:" + rec["sha256"], data), False):
                 return False
-        envelope = make_envelope({"rel": rel, "index": idx, "files": files}, key)
-        if not self._call("write an entry", lambda r: r.set(self.prefix + "entry:" + rel, envelope), False):
+        writer = {"namespace": self.namespace, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        envelope = make_envelope({"rel": rel, "index": idx, "files": files, "writer": writer}, key)
+        # only into this writer's namespace: an entry another key signed is never replaced here
+        if not self._call("write an entry", lambda r: r.set(self.ns_prefix + "entry:" + rel, envelope), False):
             return False
         if idx.get("meta", {}).get("kind") == "bundle":
             parts = rel.split("/")
-            listing = self.prefix + f"bundles:{parts[1]}/{parts[2]}"
+            listing = self.ns_prefix + f"bundles:{parts[1]}/{parts[2]}"
 
             def list_bundle(r: Any) -> None:
                 pipe = r.pipeline(transaction=False)
@@ -430,21 +577,21 @@ class RemoteCache:
         from ..counters import counters
 
         counters.bump("remote_publishes")
-        log.info("remote cache: published %s (%d artifacts) to %s", rel, len(arts), self.url)
+        log.info("remote cache: published %s (%d artifacts) to %s as %s", rel, len(arts), self.url, self.namespace)
         return True
 
     # -- compile leases -----------------------------------------------------------------------
     def lease(self, rel: str) -> "Lease | None":
         """Take the compile lease of `rel` (None: another process holds it, or Redis failed)."""
         token = secrets.token_hex(16)
-        got = self._call("take a compile lease", lambda r: r.eval(_ACQUIRE, 1, self.prefix + "lease:" + rel, token, LEASE_MS),
+        got = self._call("take a compile lease", lambda r: r.eval(_ACQUIRE, 1, self.ns_prefix + "lease:" + rel, token, LEASE_MS),
                          None)
         return Lease(self, rel, token) if got else None
 
     def holder_alive(self, rel: str) -> bool:
         """Whether some process holds the compile lease of `rel` now (a string with an expiry: a
         key without one, or of another type, is no lease and is replaced by the next `lease`)."""
-        ttl = self._call("read a compile lease", lambda r: r.pttl(self.prefix + "lease:" + rel), -2)
+        ttl = self._call("read a compile lease", lambda r: r.pttl(self.ns_prefix + "lease:" + rel), -2)
         return isinstance(ttl, int) and ttl > 0
 
 
@@ -468,13 +615,13 @@ class Lease:
         self._thread.start()
 
     def _renew(self) -> None:
-        key = self.remote.prefix + "lease:" + self.rel
+        key = self.remote.ns_prefix + "lease:" + self.rel
         while not self._stop.wait(LEASE_MS / 3000):
             self.remote._call("renew a compile lease", lambda r: r.eval(_RENEW, 1, key, self.token, LEASE_MS))
 
     def release(self) -> None:
         self._stop.set()
-        key = self.remote.prefix + "lease:" + self.rel
+        key = self.remote.ns_prefix + "lease:" + self.rel
         self.remote._call("release a compile lease", lambda r: r.eval(_RELEASE, 1, key, self.token))
 
 
@@ -487,6 +634,8 @@ def claim_or_wait(remote: RemoteCache, root: str, rel: str, reopen: Callable[[],
     ran past ``PIECEWISE_REMOTE_WAIT_S`` (default `WAIT_S`; then this process compiles without a
     lease, with a warning). A holder that dies stops renewing its lease, which expires within
     `LEASE_MS`; the first waiter to see it gone takes it over."""
+    if remote.namespace not in remote.read_namespaces():
+        return None  # keyless and unsigned entries not allowed: nothing another process publishes loads here
     lease = remote.lease(rel)
     if lease is not None or remote.resting():
         return lease
@@ -535,16 +684,27 @@ def _check_index(idx: dict[str, Any], rel: str) -> None:
             raise CacheIndexError(f"artifact {name!r} lies outside the entry ({rec['file']!r})")
 
 
-_tiers: dict[tuple[str, int, int], RemoteCache] = {}
+_tiers: dict[tuple[str, int, int, str], RemoteCache] = {}
 _tiers_lock = threading.Lock()
 
 
 def remote_cache(url: str | None, connect_timeout_ms: int = 100, io_timeout_ms: int = 1000) -> RemoteCache | None:
-    """The process's `RemoteCache` for `url` (one client per URL and timeouts); None without a URL."""
+    """The process's `RemoteCache` for `url` (one client per URL, timeouts and signing key); None
+    without a URL.
+
+    Raises:
+        ConfigError: a signing key is set that would not be used (`load_key`).
+    """
     if not url:
         return None
+    key = load_key()
+    if key is None and not _allow_unsigned():
+        report_once(f"remote-nokey:{url}", f"piecewise remote cache {url}: no signing key (PIECEWISE_CACHE_KEY): this "
+                    "process loads nothing from it and publishes its entries unsigned, beside the fleet's signed ones; "
+                    "give it the fleet's key, or set PIECEWISE_REMOTE_ALLOW_UNSIGNED=1 on every replica of a fleet "
+                    "without one")
     with _tiers_lock:
-        k = (url, connect_timeout_ms, io_timeout_ms)
+        k = (url, connect_timeout_ms, io_timeout_ms, key_id(key))
         if k not in _tiers:
-            _tiers[k] = RemoteCache(url, connect_timeout_ms, io_timeout_ms)
+            _tiers[k] = RemoteCache(url, connect_timeout_ms, io_timeout_ms, key=key)
         return _tiers[k]
