@@ -114,7 +114,7 @@ def test_import_refuses_manifest_entries_that_escape_the_root(tmp_path):
     archive = str(tmp_path / "trav.tgz")
     with tarfile.open(archive, "w:gz") as tar:
         for name, data in [("k/x.txt", b"x"),
-                           ("piecewise_manifest.json", json.dumps({"entries": [{"entry": "../victim", "factors": {}}]}).encode())]:
+                           ("piecewise_manifest.json", json.dumps({"format": 1, "entries": [{"entry": "../victim", "factors": {}}]}).encode())]:
             ti = tarfile.TarInfo(name)
             ti.size = len(data)
             tar.addfile(ti, io.BytesIO(data))
@@ -234,3 +234,81 @@ def test_import_accepts_compile_and_bundle_variant_entry_names_only():
            "0123456789abcdef0123/rank_0_0/t/extra", "XYZ3456789abcdef0123/rank_0_0/t"]
     assert all(tools._ENTRY_NAME.fullmatch(n) for n in ok)
     assert not any(tools._ENTRY_NAME.fullmatch(n) for n in bad)
+
+
+def _tree(root):
+    """Every path under `root` with its bytes (None for a directory): what an import may change."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = None
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(dirpath, f), root)] = fh.read()
+    return out
+
+
+def _tgz(path, members):
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members:
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tar.addfile(ti, io.BytesIO(data))
+    return path
+
+
+def test_import_refuses_every_broken_archive_in_one_line_and_writes_nothing(tmp_path, capsys):
+    """Truncated anywhere (a copy cut short), not an archive, another format, no manifest, a
+    missing file: exit status 2, one line naming the archive, the root exactly as it was."""
+    import gzip
+
+    src, root = str(tmp_path / "src"), str(tmp_path / "root")
+    run_worker(src)
+    good = str(tmp_path / "good.tgz")
+    assert main(["cache", "--root", src, "export", good]) == 0
+    run_worker(root, "--max-num-tokens", "32")  # the root already holds entries of its own
+    before = _tree(root)
+    data = open(good, "rb").read()
+    cases = {}
+    for cut in (len(data) // 2, 100, len(data) - 1, len(data) - 4, len(data) - 9):
+        cases[f"cut at {cut} of {len(data)}"] = (data[:cut], "truncated or damaged")
+    flipped = bytearray(data)
+    flipped[-6] ^= 0xFF  # the gzip trailer's CRC
+    cases["altered trailer"] = (bytes(flipped), "damaged")
+    cases["text"] = (b"hello\n", "not an archive made by 'piecewise cache export'")
+    cases["gzip of text"] = (gzip.compress(b"hello\n" * 100), "not an archive made by 'piecewise cache export'")
+    import io
+    import tarfile
+
+    plain = io.BytesIO()
+    with tarfile.open(fileobj=plain, mode="w") as tar:
+        ti = tarfile.TarInfo("x")
+        tar.addfile(ti, io.BytesIO(b""))
+    cases["an uncompressed tar"] = (plain.getvalue(), "not a gzip'd tar")
+    manifests = {"no manifest": [("k/x", b"x")],
+                 "manifest not JSON": [("piecewise_manifest.json", b"{not json")],
+                 "manifest of another format": [("piecewise_manifest.json", json.dumps({"format": 2, "entries": []}).encode())]}
+    for name, members in manifests.items():
+        cases[name] = (open(_tgz(str(tmp_path / "m.tgz"), members), "rb").read(), "piecewise_manifest.json")
+    for name, (content, words) in cases.items():
+        archive = str(tmp_path / "case.tgz")
+        with open(archive, "wb") as f:
+            f.write(content)
+        code = main(["cache", "--root", root, "import", archive])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
+        assert words in err and archive in err, (name, err)
+        assert _tree(root) == before, name
+        assert main(["cache", "--root", str(tmp_path / "fresh"), "import", archive]) == 2
+        assert not (tmp_path / "fresh").exists(), name  # not even the root is created
+        capsys.readouterr()
+    for missing in (str(tmp_path / "absent.tgz"), str(tmp_path)):
+        assert main(["cache", "--root", root, "import", missing]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and missing in err
+    # the whole archive still imports, into the root it left alone
+    assert main(["cache", "--root", root, "import", good]) == 0
+    assert len(tools.list_entries(root)) == 4

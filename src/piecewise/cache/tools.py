@@ -5,15 +5,19 @@ All functions take the root explicitly and return data; the CLI formats it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gzip
 import hashlib
 import io
 import json
 import os
 import re
 import secrets
+import shutil
 import tarfile
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -320,67 +324,149 @@ def current_factors_sample(entry_factors: dict[str, Any], compiler_hash: Callabl
             "compiler": {"name": name, "hash": here_hash}}
 
 
-def import_archive(root: str, archive: str, compiler_hash: Callable[[str], str] | None = None) -> tuple[int, list[str]]:
-    """Unpack an exported archive into `root`. Members must be regular files under the root (no
-    absolute paths, no '..', no links). Returns (entries imported, warnings naming each factor in
-    which an entry differs from this process; `compiler_hash(name)` gives an adaptor's hash here,
-    see `current_factors_sample`).
+#: what reading a truncated or corrupt archive raises (tarfile, gzip, zlib; gzip.BadGzipFile, an OSError, apart)
+_ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, UnicodeDecodeError, ValueError)
+
+
+def _read_archive(archive: str) -> tuple[list[tarfile.TarInfo], dict[str, Any]]:
+    """Read all of `archive` once, writing nothing: its members (each checked to be a plain
+    relative file, its data read to the end so a truncated or corrupt stream fails here) and its
+    manifest, checked.
 
     Raises:
-        CacheError: a member or manifest entry would land outside `root`, or there is no manifest.
+        CacheError: no such file, not a gzip'd tar, truncated or corrupt, a member that is not a
+            plain relative file, no manifest, a manifest of another format, or an entry name
+            that is not ``key/rank_r_d/tag``.
     """
-    warns: list[str] = []
+    if not os.path.exists(archive):
+        raise CacheError(f"{archive}: no such file")
+    if not os.path.isfile(archive):
+        raise CacheError(f"{archive} is not a file; give the .tar.gz that 'piecewise cache export' wrote")
+    what = f"{archive} is not an archive made by 'piecewise cache export'"
+    damaged = f"{archive} is truncated or damaged"
     try:
         tar = tarfile.open(archive, "r:gz")
-    except tarfile.TarError as e:
-        raise CacheError(f"{archive} is not an archive made by 'piecewise cache export' ({e})") from e
-    with tar:
-        members = tar.getmembers()
-        for m in members:
-            if not m.isfile() or m.name.startswith("/") or ".." in m.name.split("/"):
-                raise CacheError(f"archive member {m.name!r} is not a plain relative file; refusing to import")
-        try:
-            man = tar.extractfile(MANIFEST)
-        except KeyError:  # tarfile's way of saying the member is absent
-            man = None
-        if man is None:
-            raise CacheError(f"{archive} has no {MANIFEST}; export it with 'piecewise cache export'")
-        manifest = json.load(man)
-        for e in manifest.get("entries", []):
-            f = e.get("factors", {})
-            here = current_factors_sample(f, compiler_hash)
-            for name in diff_factors({k: f.get(k) for k in here}, here):
-                warns.append(f"{e['entry']}: factor {name} differs from this process; it will not hit here")
-        make_dirs(root)
-        staging = os.path.join(root, f".import.{os.getpid()}.{secrets.token_hex(3)}")
-        os.mkdir(staging, 0o755)
-        try:
-            for m in members:
-                if m.name == MANIFEST:
-                    continue
+    except (tarfile.ReadError, tarfile.CompressionError, gzip.BadGzipFile, EOFError, zlib.error) as e:
+        if isinstance(e, EOFError) or isinstance(e.__cause__ or e.__context__, (EOFError, zlib.error)):
+            raise CacheError(f"{damaged} ({e}); nothing imported. Copy it again or export it again") from None
+        raise CacheError(f"{what} (not a gzip'd tar: {e})") from None
+    except OSError as e:
+        raise CacheError(f"cannot read {archive}: {e.strerror or e}") from None
+    manifest_bytes = None
+    members = []
+    try:
+        with tar:
+            for m in tar:
+                if not m.isfile() or m.name.startswith("/") or ".." in m.name.split("/"):
+                    raise CacheError(f"archive member {m.name!r} of {archive} is not a plain relative file; refusing to "
+                                     "import")
                 src = tar.extractfile(m)
-                dest = os.path.join(staging, *m.name.split("/"))
-                make_dirs(os.path.dirname(dest))
-                with open(dest, "wb") as out:
-                    out.write(src.read())
-                os.chmod(dest, 0o644)
-            n = 0
-            for e in manifest.get("entries", []):
-                if not isinstance(e.get("entry"), str) or not _ENTRY_NAME.fullmatch(e["entry"]):
-                    raise CacheError(f"manifest entry {e.get('entry')!r} is not key/rank_r_d/tag; refusing to import")
-                src = os.path.join(staging, *e["entry"].split("/"))
-                dst = os.path.join(root, *e["entry"].split("/"))
-                if not os.path.realpath(dst).startswith(os.path.realpath(root) + os.sep):
-                    raise CacheError(f"manifest entry {e['entry']!r} resolves outside {root}; refusing to import")
-                if not os.path.isdir(src):
-                    continue
-                make_dirs(os.path.dirname(dst))
-                if os.path.isdir(dst):
-                    remove_tree(dst)
-                os.replace(src, dst)
-                n += 1
-        finally:
-            import shutil
+                got, chunks = 0, []
+                while src is not None:
+                    chunk = src.read(1 << 20)
+                    if not chunk:
+                        break
+                    got += len(chunk)
+                    if m.name == MANIFEST:
+                        chunks.append(chunk)
+                if got != m.size:
+                    raise EOFError(f"member {m.name!r} ends after {got} of {m.size} bytes")
+                if m.name == MANIFEST:
+                    manifest_bytes = b"".join(chunks)
+                members.append(m)
+            # the tar ends before the gzip stream does: read that to its end too, so a cut or
+            # altered trailer (length, CRC) is found here as well
+            while tar.fileobj.read(1 << 20):
+                pass
+    except CacheError:
+        raise
+    except OSError as e:
+        if not isinstance(e, gzip.BadGzipFile):
+            raise CacheError(f"cannot read {archive}: {e.strerror or e}") from None
+        raise CacheError(f"{damaged} ({e}); nothing imported. Copy it again or export it again") from None
+    except _ARCHIVE_ERRORS as e:  # the stream ends early or is corrupt
+        raise CacheError(f"{damaged} ({type(e).__name__}: {e}); nothing imported. Copy it again or export it "
+                         "again") from None
+    if manifest_bytes is None:
+        raise CacheError(f"{archive} has no {MANIFEST}; export it with 'piecewise cache export'")
+    try:
+        manifest = json.loads(manifest_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheError(f"{what} ({MANIFEST} is not valid JSON: {e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != 1 or not isinstance(manifest.get("entries"), list):
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CacheError(f"{what} ({MANIFEST} has format {got!r}; this version imports format 1)")
+    for e in manifest["entries"]:
+        name = e.get("entry") if isinstance(e, dict) else None
+        if not isinstance(name, str) or not _ENTRY_NAME.fullmatch(name):
+            raise CacheError(f"manifest entry {name!r} of {archive} is not key/rank_r_d/tag; refusing to import")
+        if not isinstance(e.get("factors", {}), dict):
+            raise CacheError(f"manifest entry {name!r} of {archive} has no factors record; refusing to import")
+    return members, manifest
 
+
+def import_archive(root: str, archive: str, compiler_hash: Callable[[str], str] | None = None) -> tuple[int, list[str]]:
+    """Unpack an exported archive into `root`. Members must be regular files under the root (no
+    absolute paths, no '..', no links). The whole archive is read and checked before anything is
+    written, and entries are unpacked into a staging dir first, so a refused archive leaves `root`
+    as it was. Returns (entries imported, warnings naming each factor in which an entry differs
+    from this process; `compiler_hash(name)` gives an adaptor's hash here, see
+    `current_factors_sample`).
+
+    Raises:
+        CacheError: the archive is missing, not one `export_archive` wrote (not a gzip'd tar, no
+            manifest, another manifest format), truncated or corrupt, or a member or manifest
+            entry would land outside `root`.
+        OSError: `root` cannot be written (disk full, permissions).
+    """
+    members, manifest = _read_archive(archive)
+    entries = manifest["entries"]
+    real_root = os.path.realpath(root)
+    for e in entries:
+        dst = os.path.join(root, *e["entry"].split("/"))
+        if not os.path.realpath(dst).startswith(real_root + os.sep):
+            raise CacheError(f"manifest entry {e['entry']!r} resolves outside {root}; refusing to import")
+    warns: list[str] = []
+    for e in entries:
+        f = e.get("factors", {})
+        here = current_factors_sample(f, compiler_hash)
+        for name in diff_factors({k: f.get(k) for k in here}, here):
+            warns.append(f"{e['entry']}: factor {name} differs from this process; it will not hit here")
+    created_root = not os.path.isdir(root)
+    make_dirs(root)
+    staging = os.path.join(root, f".import.{os.getpid()}.{secrets.token_hex(3)}")
+    os.mkdir(staging, 0o755)
+    n = 0
+    try:
+        try:
+            with tarfile.open(archive, "r:gz") as tar:
+                for m in tar:
+                    if m.name == MANIFEST or not m.isfile():
+                        continue
+                    src = tar.extractfile(m)
+                    dest = os.path.join(staging, *m.name.split("/"))
+                    make_dirs(os.path.dirname(dest))
+                    with open(dest, "wb") as out:
+                        out.write(src.read() if src is not None else b"")
+                    os.chmod(dest, 0o644)
+        except (tarfile.TarError, EOFError, zlib.error) as e:  # changed since it was read
+            raise CacheError(f"{archive} changed while it was imported ({type(e).__name__}: {e}); nothing imported") from None
+        for e in entries:
+            src = os.path.join(staging, *e["entry"].split("/"))
+            dst = os.path.join(root, *e["entry"].split("/"))
+            if not os.path.isdir(src):
+                continue
+            make_dirs(os.path.dirname(dst))
+            if os.path.isdir(dst):
+                remove_tree(dst)
+            os.replace(src, dst)
+            n += 1
+    except BaseException:
+        if n == 0 and created_root:  # refused before any entry landed: leave no trace
             shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return n, warns
