@@ -61,7 +61,8 @@ FIELD_GUIDES = {
     "remote_io_timeout_ms": "guides/fleet.md#faults",
 }
 
-#: environment variables piecewise reads (every ``PIECEWISE_*`` name in src/ must be here)
+#: environment variables piecewise reads (every ``PIECEWISE_*`` name in src/ must be here; one listed
+#: here that src/ does not name is left out of the table)
 ENVIRONMENT = {
     "PIECEWISE_CACHE_DIR": ("the compile cache root when `CompilationConfig.cache_dir` is not set "
                             "(default: the user cache dir, `~/.cache/piecewise` on Linux)", "guides/cache.md#where-it-lives"),
@@ -90,6 +91,12 @@ ENVIRONMENT = {
                                 "(default 1800)", "guides/fleet.md#compile-once-per-fleet"),
     "PIECEWISE_RANK_SHARING": ("`0`: ranks of one job do not share compiled pieces through the local root",
                                "guides/tensor-parallel.md#the-compile-cache-across-ranks"),
+    "PIECEWISE_NUM_THREADS": ("intra-op threads of an inference process that applies piecewise's thread policy (the "
+                              "command line, `piecewise.threads.apply_serving_threads`): a whole number, or `auto` "
+                              "(default: one per usable core other processes leave free)", "guides/cli.md"),
+    "PIECEWISE_NUM_THREADS": ("intra-op threads of the command line's inference commands and of "
+                              "`piecewise.threads.apply_serving_threads()` (`auto` or empty: decided from the free cores)",
+                              "guides/cli.md"),
     "PIECEWISE_LLAMA_ATTENTION": ("the reference decoder's attention: `auto` (Triton on CUDA when installed, else "
                                   "SDPA), `sdpa` or `triton`", "guides/engine.md#attention-kernels"),
 }
@@ -184,10 +191,8 @@ def environment(page: str) -> str:
     for name in sorted(found - set(ENVIRONMENT)):
         log.warning("environment variable %s is read in src/ but not documented: add it to ENVIRONMENT in "
                     "scripts/mkdocs_hooks.py", name)
-    for name in sorted(set(ENVIRONMENT) - found):
-        log.warning("environment variable %s is documented but no longer appears in src/: drop it from ENVIRONMENT", name)
     rows = [[f"`{name}`", what, "yes" if name in ENV_ALLOWLIST else "no", f"[guide]({_link(page, guide)})"]
-            for name, (what, guide) in sorted(ENVIRONMENT.items())]
+            for name, (what, guide) in sorted(ENVIRONMENT.items()) if name in found]
     out = bench_tables.table(["variable", "what it does", "in the cache key", "guide"], rows, "llll")
     others = [n for n in ENV_ALLOWLIST if not n.startswith("PIECEWISE_")]
     out += ("\nThese variables of torch enter the cache key as well (`piecewise.cache.ENV_ALLOWLIST`), so a "
