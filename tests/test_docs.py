@@ -101,6 +101,32 @@ def test_gpu_python_examples_of_page_run(page, tmp_path):
     run_blocks(path, [(line, code) for line, code, _ in python_blocks(path)], tmp_path)
 
 
+#: runs the docstring examples (``>>>``) of every public name in a fresh process; prints the count
+DOCTESTS = """
+import doctest, sys
+import piecewise, piecewise.graphs
+objects = [getattr(piecewise, name) for name in piecewise.__all__] + [piecewise.graphs.batch_hint]
+finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+seen, examples = set(), 0
+for obj in objects:
+    for test in finder.find(obj, getattr(obj, "__name__", repr(obj))):
+        if test.examples and test.name not in seen:
+            seen.add(test.name)
+            examples += len(test.examples)
+            runner.run(test)
+print(examples, "examples")
+sys.exit(1 if runner.failures else 0)
+"""
+
+
+def test_docstring_examples_of_public_names_run(tmp_path):
+    env = dict(os.environ, PIECEWISE_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", DOCTESTS], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-2]) >= 10, proc.stdout
+
+
 def test_site_builds_strict_with_every_generated_table(tmp_path):
     site = tmp_path / "site"
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")

@@ -176,6 +176,18 @@ class CompilationConfig:
 
     Raises:
         ConfigError: on any invalid field, naming it and the remedy.
+
+    Examples:
+        >>> import piecewise as pw
+        >>> config = pw.CompilationConfig(max_num_tokens=256, compile_ranges=[16], backend="eager")
+        >>> [(r.start, r.end) for r in config.ranges()]
+        [(1, 16), (17, 256)]
+        >>> config.replace(max_num_tokens=512).max_num_tokens
+        512
+        >>> pw.CompilationConfig(max_num_token=256)
+        Traceback (most recent call last):
+            ...
+        piecewise.errors.ConfigError: CompilationConfig: unknown field 'max_num_token'; did you mean 'max_num_tokens' or 'max_num_seqs' or 'max_model_len'?
     """
 
     mode: str = "piecewise"

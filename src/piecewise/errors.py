@@ -20,7 +20,16 @@ __all__ = [
 
 
 class PiecewiseError(Exception):
-    """Base class of every error raised by piecewise."""
+    """Base class of every error raised by piecewise.
+
+    Examples:
+        >>> import piecewise as pw
+        >>> try:
+        ...     pw.CompilationConfig(max_num_tokens=0)
+        ... except pw.PiecewiseError as e:
+        ...     print(type(e).__name__, e)
+        ConfigError max_num_tokens=0 must be a positive integer
+    """
 
 
 class ConfigError(PiecewiseError, ValueError):
@@ -29,7 +38,18 @@ class ConfigError(PiecewiseError, ValueError):
 
 class InputError(PiecewiseError, ValueError):
     """A call's inputs do not match what the compiled model was built for (dtype, device, rank,
-    a dynamic size above `max_num_tokens`). Raised before anything runs."""
+    a dynamic size above `max_num_tokens`). Raised before anything runs.
+
+    Examples:
+        >>> import torch, piecewise as pw
+        >>> compiled = pw.compile(torch.nn.Linear(4, 4), pw.CompilationConfig(backend="eager", max_num_tokens=8),
+        ...                       dynamic_arg_dims={"input": 0})
+        >>> _ = compiled(torch.randn(2, 4))
+        >>> compiled(torch.randn(9, 4))
+        Traceback (most recent call last):
+            ...
+        piecewise.errors.InputError: [Linear] 'input' dim 0 is 9, above max_num_tokens=8; split the batch or raise max_num_tokens
+    """
 
 
 class SizeRefusedError(InputError):

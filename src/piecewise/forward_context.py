@@ -44,7 +44,13 @@ class RuntimeMode(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class BatchDescriptor:
-    """The key that selects a captured graph: the padded token count and flags."""
+    """The key that selects a captured graph: the padded token count and flags.
+
+    Examples:
+        >>> from piecewise import BatchDescriptor
+        >>> BatchDescriptor(num_tokens=8, uniform_decode=True)
+        BatchDescriptor(num_tokens=8, uniform_decode=True)
+    """
 
     num_tokens: int
     uniform_decode: bool = False
@@ -64,6 +70,13 @@ class ForwardContext:
             `num_tokens`, at a fixed address. A splitting op captured inside a full graph must read
             the real count from it (Python ints are frozen into the graph at capture); None without
             graphs.
+
+    Examples:
+        A splitting op skips the pad rows a graph replay adds (shapes ``[padded_num_tokens, ...]``):
+
+            ctx = pw.forward_context()
+            n = ctx.num_tokens if ctx is not None else q.shape[0]
+            out[:n] = attend(q[:n], k[:n], v[:n])
     """
 
     num_tokens: int
@@ -78,7 +91,15 @@ _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar
 
 
 def forward_context() -> ForwardContext | None:
-    """The context of the forward now running, or None outside a compiled forward."""
+    """The context of the forward now running, or None outside a compiled forward.
+
+    Splitting ops call it to read the real and padded token counts of the call (`ForwardContext`).
+
+    Examples:
+        >>> import piecewise as pw
+        >>> pw.forward_context() is None   # no compiled forward is running here
+        True
+    """
     return _current.get()
 
 

@@ -12,7 +12,17 @@ __all__ = ["CompileRange", "CompileTarget"]
 
 @dataclasses.dataclass(frozen=True, order=True)
 class CompileRange:
-    """An inclusive range of runtime token counts `[start, end]` compiled as one artifact."""
+    """An inclusive range of runtime token counts `[start, end]` compiled as one artifact.
+
+    `CompilationConfig.ranges()` derives them from ``compile_ranges``; adaptors and passes see the
+    one being compiled as ``PassContext.compile_range``.
+
+    Examples:
+        >>> from piecewise import CompileRange
+        >>> r = CompileRange(17, 256)
+        >>> 17 in r, 300 in r, str(r)
+        (True, False, '[17, 256]')
+    """
 
     start: int
     end: int

@@ -21,7 +21,17 @@ def register_adaptor(name: str, factory: Callable[..., CompilerAdaptor]) -> Regi
     """Make `factory(config)` available as ``CompilationConfig(backend=name)``.
 
     Returns a `Registration`: ``with register_adaptor(...): ...`` (or ``.remove()``) puts back
-    what the name meant before."""
+    what the name meant before.
+
+    Examples:
+        >>> from piecewise.compilers import adaptor_names, register_adaptor
+        >>> from piecewise.compilers.eager import EagerAdaptor
+        >>> with register_adaptor("my_eager", EagerAdaptor):   # CompilationConfig(backend="my_eager")
+        ...     "my_eager" in adaptor_names()
+        True
+        >>> "my_eager" in adaptor_names()
+        False
+    """
     return _adaptors.register(name, factory)
 
 

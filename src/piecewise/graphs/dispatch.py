@@ -44,7 +44,13 @@ _uniform_decode: contextvars.ContextVar[bool] = contextvars.ContextVar("piecewis
 def batch_hint(*, uniform_decode: bool) -> Iterator[None]:
     """Declare the batch shape of the calls in this block: ``uniform_decode=True`` when every
     request contributes the same number of tokens (a decode step), which `full_and_piecewise` serves
-    with full graphs."""
+    with full graphs.
+
+    Examples:
+        >>> from piecewise.graphs import batch_hint
+        >>> with batch_hint(uniform_decode=True):
+        ...     pass   # call the compiled model here with one token per request
+    """
     token = _uniform_decode.set(uniform_decode)
     try:
         yield

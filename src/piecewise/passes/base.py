@@ -133,6 +133,16 @@ class PiecewisePass(abc.ABC):
     uuid (see `config`), so keep mutable state (statistics, records) in ``_``-prefixed
     attributes. A pass must be a pure function of the graph, the `PassContext` and its options:
     when the compile cache (ours or Inductor's) hits, passes do not run at all.
+
+    Examples:
+        In a module file (the uuid hashes the class's source file), then
+        ``CompilationConfig(passes=[CountAdds()])``:
+
+            class CountAdds(PiecewisePass):
+                def __call__(self, graph, context):
+                    adds = [n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor]
+                    log.info("%d additions in %s", len(adds), context.target.label)
+                    return 0   # rewrites made
     """
 
     #: shown in logs and timing records; defaults to the class name
