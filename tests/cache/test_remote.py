@@ -176,6 +176,8 @@ def test_a_fresh_replica_process_with_the_fleet_key_compiles_nothing_after_forei
     _run_process(tmp_path / "none", server.url, key=None)
     _run_process(tmp_path / "k2", server.url, key=OTHER_KEY)
     again = _run_process(tmp_path / "k1-again", server.url, key=KEY)
+    # the three writers compiled the same entry (under one namespace they would have replaced each other)
+    assert _rel(_compile_entry(redis, NS)) == _rel(_compile_entry(redis, UNSIGNED)) == _rel(_compile_entry(redis, OTHER_NS))
     assert first["counters"]["compiler_invocations"] > 0
     assert again["counters"]["compiler_invocations"] == 0 and again["counters"]["bundle_hits"] == 1
     assert again["counters"]["remote_rejects"] == 0 and not again["warnings"]
