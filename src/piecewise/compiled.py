@@ -22,7 +22,7 @@ from .errors import InputError, SizeRefusedError
 from .forward_context import ForwardContext, RuntimeMode, enter_forward, exit_forward
 from .graphs.install import GraphInstall, GraphPlan, install_graphs
 from .ops import direct_call
-from .piece import DispatchState, EntryTable, PieceRunner
+from .piece import DispatchState, EntryTable, LayoutBook, PieceRunner, SplittingRunner
 from .split import SplitResult, fx_forward
 
 __all__ = ["Load", "Reuse", "Rebuild", "Step", "RunnerSpec", "SIZE_REMEDY", "SizeRefusal", "CompiledPlan", "CompiledForward", "StitchedForward",
@@ -256,10 +256,12 @@ def build_forward(config: Any, tag: str, split: SplitResult, table: EntryTable, 
         runner.callables = callables[spec.fingerprint]
         built.append(runner)
     # Instance attributes win over nn.Module.__getattr__, so the generated forward calls these
-    # directly; splitting pieces skip Module.__call__ overhead through their bound forward.
+    # directly; splitting pieces skip Module.__call__ overhead through their bound forward, once
+    # their runner has found their outputs in the layouts the compiled pieces expect.
+    book = LayoutBook()
     for item in split.items:
         if item.is_splitting:
-            split_gm.__dict__[item.name] = _splitting_forward(item.graph)
+            SplittingRunner(item.name, item.graph, _splitting_forward(item.graph), split_gm.__dict__, tag, book).install()
     for runner in built:
         split_gm.__dict__[runner.name] = runner
     stitched = StitchedForward(split_gm, table, state, sym_index, tag, config.max_num_tokens, refusal)

@@ -45,6 +45,7 @@ class _Tally:
     recaptures: int = 0  # every size captured again because a weight or buffer graphs read in place moved
     padding_refusals: int = 0  # graphs turned off: padding a call changed its real rows (graphs.dispatch)
     graph_replays: int = 0
+    layout_mismatches: int = 0  # splitting ops returning other strides than their fake: outputs copied (piece.SplittingRunner)
     eager_above_capture: int = 0  # calls above the largest capture size
     remote_pulls: int = 0  # entries copied from the remote tier into the local store
     remote_publishes: int = 0  # entries published to the remote tier
