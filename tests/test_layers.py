@@ -15,7 +15,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "piecewise"
 #: stands for all its modules. Kept in the same order as docs/design.md.
 LAYERS: list[tuple[str, ...]] = [
     ("_torch",),  # torch internals (private names, patches), one module per torch subsystem
-    ("_version", "errors", "targets", "registry", "tags", "fingerprint", "counters", "forward_context"),
+    ("_version", "errors", "targets", "registry", "tags", "fingerprint", "counters", "forward_context", "threads"),
     ("ops", "state", "inputs"),
     ("passes",),
     ("config",),

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterator
 
 from .errors import PiecewiseError
+from .threads import apply_serving_threads
 
 __all__ = ["main"]
 
@@ -94,6 +95,7 @@ def _generate(args: argparse.Namespace) -> int:
     kw = dict(engine=args.engine, max_new_tokens=args.max_new_tokens, backend=args.backend, max_model_len=args.max_model_len)
     check_arguments(prompt, **kw)  # everything the flags say, before the weights load (seconds)
     _require("transformers")
+    apply_serving_threads()  # an inference process: piecewise's CPU thread policy (piecewise.threads)
     try:
         result = answer(prompt, compiled=not args.no_compile, stream=print_stream, **kw)
     except PromptTooLongError as e:
