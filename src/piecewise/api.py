@@ -53,6 +53,7 @@ from .errors import CompileError, ConfigError, GuardFailureError, InputError, Pi
 from .inputs import CallSignature
 from .registry import Registration, Registry
 from .tags import current_registry, release_tag, unique_tag
+from .threads import warn_if_oversubscribed
 
 __all__ = ["bypasses_attention_interface", "compile", "CompiledModel", "unique_tag", "register_route"]
 
@@ -717,6 +718,7 @@ def compile(
         raise ConfigError(f"piecewise.compile takes a torch.nn.Module, got {type(model).__name__}; wrap the function in a module")
     config = config or CompilationConfig()
     compiled = CompiledModel(model, config, dynamic_arg_dims or {})
+    warn_if_oversubscribed(model)  # once per process, in the background: a CPU model on a busy host (piecewise.threads)
     if dynamic_arg_dims is None and compiled._route is None and config.mode != "none":  # a generation route knows its own dims
         warnings.warn("piecewise.compile without dynamic_arg_dims compiles static shapes; every shape is frozen", stacklevel=2)
     return compiled
