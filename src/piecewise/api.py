@@ -709,7 +709,10 @@ def compile(
             count); each must be <= ``config.max_num_tokens``. Unmarked dims are static.
 
     Compilation happens on the first call. Every later call with a dynamic size in
-    ``[1, max_num_tokens]`` runs without recompiling.
+    ``[1, max_num_tokens]`` runs without recompiling. Where the model's own code branches on a
+    size (transformers' mask code on a batch of one), the sizes the first trace does not hold for
+    get a trace of their own on their first call (a size class, up to
+    ``config.max_size_classes``, counted in ``size_class_traces``, each saved for warm starts).
 
     Raises:
         ConfigError: `model` is not a module, or `dynamic_arg_dims` names no argument.
