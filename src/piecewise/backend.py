@@ -300,6 +300,8 @@ class PiecewiseBackend:
         symbol = dispatch_symbol(fake_inputs) if sym_index is not None else None
         table = EntryTable(self.config, dynamic=sym_index is not None)
         backend = self
+        shape_env = getattr(fake_mode, "shape_env", None)
+        origins: dict[int, str] = {}  # id of a guard a piece's compile added -> the user's line of that piece
 
         class _Propagate(torch.fx.Interpreter):
             def call_module(self, target, args, kwargs):
@@ -307,7 +309,12 @@ class PiecewiseBackend:
                 if item is not None and not item.is_splitting:
                     fp = piece_fingerprint(item.graph, args)
                     if fp not in callables:
+                        seen = len(getattr(shape_env, "guards", ()))
                         callables[fp], steps[fp] = backend._compile_piece(item.graph, args, table, symbol, fp)
+                        added = getattr(shape_env, "guards", ())[seen:]
+                        if added:
+                            where = piece_source_line(item.graph)
+                            origins.update((id(g), where) for g in added)
                     specs.append(RunnerSpec(item.name, item.index, fp))
                     progress.update(1)
                 return super().call_module(target, args, kwargs)
@@ -321,7 +328,8 @@ class PiecewiseBackend:
                       if sym_index is not None else None)
         # under "backed" dynamic shapes sizes 0 and 1 are refused by the call signature already
         lo = 2 if self.config.dynamic_shapes == "backed" else 1
-        refusal = (size_refusal(fake_mode.shape_env, fake_inputs, self._input_names, lo, self.config.max_num_tokens)
+        refusal = (size_refusal(fake_mode.shape_env, fake_inputs, self._input_names, lo, self.config.max_num_tokens,
+                                origins)
                    if symbol is not None else None)
         if refusal is not None and refusal.warning:
             if self.guarded_by_dynamo:
@@ -506,7 +514,7 @@ def _argument_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
 
 
 def size_refusal(shape_env: Any, fake_inputs: Sequence[Any], input_names: Sequence[str], lo: int,
-                 max_num_tokens: int) -> SizeRefusal | None:
+                 max_num_tokens: int, origins: Mapping[int, str] | None = None) -> SizeRefusal | None:
     """What the trace decided from the dynamic sizes, as a `SizeRefusal` checked on every call;
     None when it holds for every size.
 
@@ -562,7 +570,10 @@ def size_refusal(shape_env: Any, fake_inputs: Sequence[Any], input_names: Sequen
     candidates: list[tuple[Any, str]] = []
     for g in getattr(shape_env, "guards", ()):
         sloc = str(getattr(g, "sloc", "?")).strip()  # "<line>  # <file:line> in <fn> (<torch's frame>)"
-        candidates.append((g.expr, sloc.rsplit(" (", 1)[0].strip() if sloc.endswith(")") else sloc))
+        at = sloc.rsplit(" (", 1)[0].strip() if sloc.endswith(")") else sloc
+        if at.startswith("(") and origins and id(g) in origins:  # only torch's frame: a piece's compile added it
+            at = f"{origins[id(g)]} {at}"
+        candidates.append((g.expr, at))
     for sym in list(getters):  # after the guards: a range they already explain is not repeated
         vr = ranges.get(sym)
         if vr is not None:
@@ -690,6 +701,41 @@ def _pretty_source(name: str) -> str:
 
     name = re.sub(r"L\['([^']+)'\]", r"\1", name)
     return re.sub(r"\.size\(\)\[(\d+)\]", r".shape[\1]", name)
+
+
+#: ops whose compile decides strides from sizes (the usual source of a guard a piece's compile
+#: adds), most likely first: a view of a non-contiguous tensor, then the other layout changes
+_LAYOUT_OPS = (("reshape", "view", "flatten", "unflatten", "as_strided"),
+               ("expand", "permute", "transpose", "split", "chunk", "unbind", "select", "slice", "squeeze", "unsqueeze",
+                "contiguous", "empty_like"))
+
+
+def piece_source_line(graph: torch.fx.GraphModule) -> str:
+    """The user's source line a piece's compile most likely added a size guard for: the innermost
+    frame of the first reshape or view in the piece whose node records where it was traced, else of
+    another layout op, else of the first node that does; ``"in a compiled piece"`` when none records
+    it."""
+    found: dict[int, str] = {}
+    for node in graph.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        if not trace:
+            continue
+        lines = [ln for ln in trace.strip().splitlines() if ln.strip()]
+        at = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].lstrip().startswith("File ")), None)
+        if at is None:
+            continue
+        head = lines[at].strip()  # File "path", line N, in fn
+        code = lines[at + 1].strip() if at + 1 < len(lines) else ""
+        try:
+            path, rest = head[len('File "'):].split('", line ', 1)
+            line, fn = rest.split(", in ", 1)
+        except ValueError:
+            continue
+        shown = f"{code}  # {os.path.basename(path)}:{line} in {fn}, while compiling its piece"
+        name = str(getattr(node.target, "__name__", node.target))
+        rank = next((i for i, ops in enumerate(_LAYOUT_OPS) if any(op in name for op in ops)), len(_LAYOUT_OPS))
+        found.setdefault(rank, shown)
+    return found[min(found)] if found else "in a compiled piece"
 
 
 def _alias(name: str, aliases: Mapping[str, str]) -> str:

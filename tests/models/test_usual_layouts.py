@@ -147,3 +147,17 @@ def test_torch_compile_entry_does_not_warn_that_sizes_are_refused(caplog):
             x = torch.randn(n, 3)
             torch.testing.assert_close(fn(x), _bands(x))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "refused" in r.getMessage()]
+
+
+def test_a_guard_a_piece_compile_adds_names_the_users_line_of_that_piece():
+    """A size guard added inside torch while a piece compiles (a fake kernel's stride computation)
+    has only torch's frame; the refusal names the user's line in that piece instead: its first
+    view or reshape (here nanoGPT's ``t.view(B, T, h, d)`` of a split, a non-contiguous view)."""
+    from piecewise.backend import piece_source_line
+
+    model = MODELS["nanogpt"]().eval()
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=64), dynamic_arg_dims={"input_ids": (0, 1)})
+    cm(torch.randint(0, 256, (2, 5)))
+    first = next(it for it in cm.backend.split.items if not it.is_splitting)
+    assert piece_source_line(first.graph).startswith("q, k, v = (t.view(B, T, self.h, D // self.h).transpose(1, 2)")
+    assert "usual_layouts.py:" in piece_source_line(first.graph)
