@@ -267,6 +267,9 @@ class CompiledModel:
             log.info("[%s] %s; size class %d serves such calls", self.tag, str(error).split("] ", 1)[-1], n)
             cls = CompiledModel(self.module, self.config, self._dynamic, size_class_of=self)
             cls._bundle_keys = self._bundle_keys  # shared: each class starts warm from a bundle no other one uses
+            # counted against the bound even when its first run raises (an input eager refuses too):
+            # its next call is a first call again, as for any model, never one more class
+            self._size_classes.append(cls)
             out = self._start_size_class(cls, args, kwargs)
             if "bundle_load" not in cls.timings:  # traced, not started warm from a bundle
                 counters.bump("size_class_traces", tag=self.tag)

@@ -106,6 +106,8 @@ class PiecewiseBackend:
         self._written_inputs: tuple[int, ...] = ()
         self._input_names: list[str] = []  # graph inputs as the user names them, for messages
         self._cache_meta: dict[str, Any] | None = None
+        #: size guards of the compile whose pieces a cache hit loaded (`_entry_sizes`), None: none
+        self.inherited_sizes: SizeRefusal | None = None
 
     # what tests and tools read, from the compiled result
     @property
@@ -227,22 +229,30 @@ class PiecewiseBackend:
         }
 
     def _open_cache(self, graph_hash: str, example_inputs: Sequence[Any], split: SplitResult) -> CacheEntry | None:
+        """The compile entry for this graph, opened: a hit whose pieces were compiled for sizes that
+        include this trace's (`_entry_sizes`), else the first free size variant of the key (a miss,
+        compiled into). None without a cache root, or when every variant holds other sizes."""
         self.factors = self.key_factors(graph_hash, example_inputs)
         root = resolve_root(self.config.cache_dir)
         if root is None:
             return None
-        key = compute_key(self.factors)
-        entry = CacheEntry(root, key, self.tag, rank=current_rank(), remote=remote_tier(self.config))
         self._cache_meta = {
             "num_pieces": len(split.items),
             "num_compiled": len(split.items) - split.num_splitting,
             "adaptor": self.adaptor.name,
             "compile_targets": [e.target.key for e in EntryTable(self.config, dynamic=any(isinstance(x, torch.SymInt) for x in example_inputs)).entries],
         }
-        if entry.open(self._cache_meta):
-            counters.bump("cache_hits", tag=self.tag)
-            log.info("[%s] compile cache hit: %s", self.tag, entry.path)
-        else:
+        hints = _dim_hints(example_inputs)
+        base = compute_key(self.factors)
+        for variant in range(SIZE_VARIANTS):
+            key = base if variant == 0 else compute_key({**self.factors, "size_variant": variant})
+            entry = CacheEntry(root, key, self.tag, rank=current_rank(), remote=remote_tier(self.config))
+            if entry.open(self._cache_meta):
+                if self._entry_sizes(entry, hints, variant):
+                    counters.bump("cache_hits", tag=self.tag)
+                    log.info("[%s] compile cache hit: %s", self.tag, entry.path)
+                    return entry
+                continue
             counters.bump("cache_misses", tag=self.tag)
             explain_miss(root, self.tag, self.factors, entry.path)
             if shares_across_ranks():
@@ -252,9 +262,41 @@ class PiecewiseBackend:
                 # compile once per fleet: take the entry's lease, or load what its holder publishes
                 self._lease = claim_or_wait(entry.remote, entry.root, entry.rel, lambda: entry.open(self._cache_meta))
                 if entry.index is not None:
+                    if not self._entry_sizes(entry, hints, variant):
+                        entry.index = None  # its holder compiled it for other sizes: compile here, unsaved
+                        entry.writable = False
+                        return entry
                     counters.bump("cache_hits", tag=self.tag)
                     log.info("[%s] compile cache hit after another process's compile: %s", self.tag, entry.path)
-        return entry
+            return entry
+        log.warning("[%s] the compile cache holds %d entries of this graph, each compiled for other sizes; compiling "
+                    "this one in memory, unsaved", self.tag, SIZE_VARIANTS)
+        return None
+
+    def _entry_sizes(self, entry: CacheEntry, hints: Mapping[tuple[int, int | None], int], variant: int) -> bool:
+        """Whether the pieces of `entry` (opened, a hit) hold for this trace's sizes: the size guards
+        their compile took (saved as `SIZE_GUARDS`) hold at `hints`. Then those guards are kept in
+        `inherited_sizes`, checked on every call as if this process had compiled the pieces (loading
+        them adds no guard to the trace). An unreadable record counts as other sizes."""
+        payload = entry.load_artifact(SIZE_GUARDS)
+        if payload is None:
+            if SIZE_GUARDS in entry.index.get("artifacts", {}):
+                return False  # recorded but unreadable (reported and moved aside)
+            self.inherited_sizes = None  # its compile took no size guard: it holds for every size
+            return True
+        try:
+            stored = decode_size_guards(payload)
+            failing = stored.failing(tuple(hints[(i, d)] for i, d, _ in stored.dims))
+        except (KeyError, ValueError, TypeError, SyntaxError, AttributeError) as e:
+            log.info("[%s] compile entry %s has an unreadable size record (%s: %s); not used", self.tag, entry.rel,
+                     type(e).__name__, e)
+            return False
+        if failing:
+            log.info("[%s] compile entry %s holds pieces compiled for other sizes (%s); size variant %d", self.tag,
+                     entry.rel, failing[0], variant + 1)
+            return False
+        self.inherited_sizes = stored
+        return True
 
     def _split(self, gm: torch.fx.GraphModule) -> SplitResult:
         for name in self.split_ops:
@@ -331,6 +373,10 @@ class PiecewiseBackend:
         refusal = (size_refusal(fake_mode.shape_env, fake_inputs, self._input_names, lo, self.config.max_num_tokens,
                                 origins)
                    if symbol is not None else None)
+        refusal = merge_refusals(refusal, self.inherited_sizes)
+        if refusal is not None and self.cache is not None and SIZE_GUARDS not in ((self.cache.index or {}).get("artifacts") or {}):
+            # the sizes these pieces hold for, for a later trace of the same graph that hits this entry
+            self.cache.save_artifact(SIZE_GUARDS, encode_size_guards(refusal))
         if refusal is not None and refusal.warning:
             if self.guarded_by_dynamo:
                 log.info("[%s] %s; Dynamo's guards send other sizes to another compile (counted in recompiles)",
@@ -456,8 +502,9 @@ class PiecewiseBackend:
         """A callable loaded from the cache, or None (not cached, or bad: reported and moved aside)."""
         if self.cache is None or not self.adaptor.saves_artifacts:
             return None
-        if name in self.preloaded:
-            return self.preloaded[name]
+        slot = f"{self.cache.key}/{name}"  # an artifact of another entry (a size variant) is other code
+        if slot in self.preloaded:
+            return self.preloaded[slot]
         t0 = time.perf_counter()
         try:
             payload = self.cache.load_artifact(name)
@@ -471,7 +518,7 @@ class PiecewiseBackend:
                 self.cache.reject_artifact(name, f"artifact failed to load ({type(e).__name__}: {e})")
                 return None
             counters.bump("cache_loads", tag=self.tag)
-            self.preloaded[name] = fn
+            self.preloaded[slot] = fn
             return fn
         finally:
             self.timings["cache_load"] += time.perf_counter() - t0
@@ -736,6 +783,74 @@ def piece_source_line(graph: torch.fx.GraphModule) -> str:
         rank = next((i for i, ops in enumerate(_LAYOUT_OPS) if any(op in name for op in ops)), len(_LAYOUT_OPS))
         found.setdefault(rank, shown)
     return found[min(found)] if found else "in a compiled piece"
+
+
+#: compile entries one graph may have, each for the sizes its pieces' compiles held for (the key,
+#: then the key with a ``size_variant``): traces of one graph at sizes on either side of a guard a
+#: piece's compile took (a view that is one only for one token) must not load each other's pieces
+SIZE_VARIANTS = 8
+#: the artifact of a compile entry that records the size guards its compile took (`encode_size_guards`)
+SIZE_GUARDS = "size_guards"
+
+
+def _dim_hints(example_inputs: Sequence[Any]) -> dict[tuple[int, int | None], int]:
+    """``(graph input, dim or None for a SymInt input) -> size`` of this trace's example inputs
+    (the hint of a symbolic size); sizes without a hint are left out."""
+    out: dict[tuple[int, int | None], int] = {}
+    for i, x in enumerate(example_inputs):
+        dims = [(None, x)] if isinstance(x, (int, torch.SymInt)) else (
+            list(enumerate(x.shape)) if isinstance(x, torch.Tensor) else [])
+        for d, v in dims:
+            hint = v if isinstance(v, int) else getattr(v.node, "hint", None)
+            if isinstance(hint, int):
+                out[(i, d)] = hint
+    return out
+
+
+def _dim_symbol(i: int, d: int | None) -> Any:
+    import sympy
+
+    return sympy.Symbol(f"pw_in_{i}_{'s' if d is None else d}", integer=True, nonnegative=True)
+
+
+def encode_size_guards(refusal: SizeRefusal) -> bytes:
+    """`refusal` as JSON bytes, its symbols renamed after the input dims they stand for."""
+    import json
+
+    names = {sym: _dim_symbol(i, d) for sym, (i, d, _) in zip(refusal.symbols, refusal.dims)}
+    return json.dumps({"dims": [list(d) for d in refusal.dims], "guards": [str(g.xreplace(names)) for g in refusal.guards],
+                       "notes": list(refusal.notes)}).encode()
+
+
+def decode_size_guards(payload: bytes) -> SizeRefusal:
+    """The `SizeRefusal` `encode_size_guards` wrote, over symbols named for its input dims.
+
+    Raises:
+        ValueError, KeyError, TypeError, SyntaxError: the record is not one.
+    """
+    import json
+
+    import sympy
+
+    from ._torch.sympy import size_functions
+
+    data = json.loads(payload)
+    dims = tuple((int(i), None if d is None else int(d), str(n)) for i, d, n in data["dims"])
+    symbols = tuple(_dim_symbol(i, d) for i, d, _ in dims)
+    scope = {**size_functions(), **{str(s): s for s in symbols}}
+    guards = tuple(sympy.sympify(g, locals=scope) for g in data["guards"])
+    notes = tuple(str(n) for n in data["notes"])
+    if len(notes) != len(guards):
+        raise ValueError("guards and notes differ in number")
+    return SizeRefusal(dims=dims, symbols=symbols, guards=guards, notes=notes, warning="")
+
+
+def merge_refusals(a: SizeRefusal | None, b: SizeRefusal | None) -> SizeRefusal | None:
+    """One `SizeRefusal` holding the guards of both (either may be None)."""
+    if a is None or b is None:
+        return a or b
+    return SizeRefusal(dims=a.dims + b.dims, symbols=a.symbols + b.symbols, guards=a.guards + b.guards,
+                       notes=a.notes + b.notes, warning="; ".join(w for w in (a.warning, b.warning) if w))
 
 
 def _alias(name: str, aliases: Mapping[str, str]) -> str:

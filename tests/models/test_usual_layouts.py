@@ -53,6 +53,41 @@ def test_one_trace_serves_every_batch_and_length_cold_and_warm(name, first, tmp_
         _check_grid(warm, model, (3, 5), seed=2)
 
 
+def test_size_classes_never_load_pieces_compiled_for_other_sizes(tmp_path, monkeypatch):
+    """GQA by expand + reshape: a trace at one token of one sequence and a trace at one token of
+    three have the same graph code, but the first's pieces were compiled under guards for batch 1
+    (a view that is one only there). The compile cache keeps one entry per such size variant and
+    checks the guards an entry's compile took before loading it, so no class runs another's code,
+    in this process or in the next one (bundles off: it traces and meets the cache)."""
+    torch.manual_seed(0)
+    model = MODELS["expand_gqa"]().eval()
+    cfg = CompilationConfig(max_num_tokens=512, cache_dir=str(tmp_path), tag="expand_gqa")
+    sizes = [(1, 1), (2, 16), (3, 1), (1, 7), (8, 1), (5, 33)]
+    cm = pw.compile(model, cfg, dynamic_arg_dims={"input_ids": (0, 1)})
+    with counters.expect(recompiles=0):
+        _check_grid_at(cm, model, sizes, seed=0)
+    del cm
+    gc.collect()
+    torch._dynamo.reset()
+    monkeypatch.setenv("PIECEWISE_DISABLE_BUNDLE", "1")
+    for order in ([(3, 1), (1, 1), (2, 16)], [(2, 16), (5, 7), (8, 1), (1, 1)]):
+        again = pw.compile(model, cfg, dynamic_arg_dims={"input_ids": (0, 1)})
+        with counters.expect(recompiles=0):
+            _check_grid_at(again, model, order, seed=1)
+        del again
+        gc.collect()
+        torch._dynamo.reset()
+
+
+def _check_grid_at(cm, model, sizes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for b, t in sizes:
+        ids = torch.randint(0, 256, (b, t), generator=gen)
+        with torch.no_grad():
+            want = model(ids)
+        torch.testing.assert_close(cm(ids), want, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {b} x {t}: {m}")
+
+
 def _hf_check(cm, model, sizes, seed):
     gen = torch.Generator().manual_seed(seed)
     for b, t in sizes:

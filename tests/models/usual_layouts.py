@@ -163,4 +163,68 @@ class GQADecoder(nn.Module):
         return self.head(self.norm(x))
 
 
-MODELS = {"nanogpt": NanoGPT, "fused_qkv": FusedQKV, "gqa_rope": GQADecoder}
+@pw.splitting_op("usual_layouts::causal_attention_new_empty", mutates_args=())
+def causal_attention_new_empty(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """As `causal_attention`, with a fake that is contiguous like the op's result."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@causal_attention_new_empty.register_fake
+def _(q, k, v):
+    return q.new_empty(q.shape)
+
+
+class ExpandGQABlock(nn.Module):
+    """GQA by ``k[:, :, None].expand(B, hk, rep, T, d).reshape(B, h, T, d)``, a fused KV projection
+    unpacked with ``unflatten``/``unbind``, and ``reshape(B, T, -1)`` after attention: the pieces'
+    compiles take guards on one token or one sequence (a view that is one only there)."""
+
+    def __init__(self, d: int, h: int, kv_h: int) -> None:
+        super().__init__()
+        self.h, self.kv_h, self.hd = h, kv_h, d // h
+        self.norm1, self.norm2 = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.q = nn.Linear(d, d, bias=False)
+        self.kv = nn.Linear(d, 2 * kv_h * self.hd, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.gate_up = nn.Linear(d, 4 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        hx = self.norm1(x)
+        q = self.q(hx).unflatten(-1, (self.h, self.hd)).transpose(1, 2)
+        k, v = self.kv(hx).unflatten(-1, (2, self.kv_h, self.hd)).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        rep = self.h // self.kv_h
+        k = k[:, :, None].expand(B, self.kv_h, rep, T, self.hd).reshape(B, self.h, T, self.hd)
+        v = v[:, :, None].expand(B, self.kv_h, rep, T, self.hd).reshape(B, self.h, T, self.hd)
+        y = causal_attention_new_empty(q, k, v).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.o(y)
+        g, u = self.gate_up(self.norm2(x)).chunk(2, -1)
+        return x + self.down(F.silu(g) * u)
+
+
+class ExpandGQADecoder(nn.Module):
+    def __init__(self, vocab: int = 256, d: int = 64, h: int = 4, kv_h: int = 2, n_layer: int = 1, max_len: int = 512) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(ExpandGQABlock(d, h, kv_h) for _ in range(n_layer))
+        self.norm = nn.RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        hd = d // h
+        freqs = torch.outer(torch.arange(max_len).float(), 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd)))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        T = input_ids.shape[-1]
+        cos, sin = self.cos[:T], self.sin[:T]
+        x = self.emb(input_ids)
+        for b in self.blocks:
+            x = b(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+MODELS = {"nanogpt": NanoGPT, "fused_qkv": FusedQKV, "gqa_rope": GQADecoder, "expand_gqa": ExpandGQADecoder}

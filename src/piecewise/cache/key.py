@@ -21,7 +21,7 @@ __all__ = ["ENV_ALLOWLIST", "env_factors", "file_hashes", "source_factors", "inp
            "diff_items", "KEY_FORMAT", "NOT_IN_KEY"]
 
 #: Bump when the meaning of factors or the entry layout changes: old entries then miss.
-KEY_FORMAT = 1
+KEY_FORMAT = 2  # 2: an entry records the size guards its pieces were compiled under (backend.SIZE_GUARDS)
 
 #: Environment variables that change generated code. Inductor reads most of its TORCHINDUCTOR_*
 #: flags into its config (already in the compiler hash); listing them here too makes a miss on
