@@ -153,9 +153,10 @@ def test_inductor_steps_specialised_on_size_one_get_a_step_per_size_class():
 
 
 def test_a_step_that_branches_on_one_new_token_gets_a_step_per_phase(caplog):
-    """OPT's mask code branches on ``q_length == 1``: the step traced at the prompt is refused for a
-    decode step (one new token), so the route traces a step for that phase once, and both serve
-    every later call: tokens equal eager, one trace per phase, no recompile."""
+    """OPT's mask code branches on ``q_length == 1``: the step traced at the prompt does not hold
+    for a decode step (one new token), so that phase gets a size class of its own once (the
+    mechanism of every entry point, `CompiledModel`), and both serve every later call: tokens equal
+    eager, one trace per phase, no recompile."""
     caplog.set_level(logging.INFO, logger="piecewise")
     compiled = pw.compile(_build("opt", "piecewise"), _config())
     for seed, (lengths, new) in enumerate((([5, 9, 2], 6), ([3], 4), ([1, 7], 3))):
@@ -163,13 +164,13 @@ def test_a_step_that_branches_on_one_new_token_gets_a_step_per_phase(caplog):
         expected = _eager("opt", ids, mask, max_new_tokens=new)
         got = compiled.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
         assert torch.equal(got, expected), (lengths, got.tolist(), expected.tolist())
-    assert "tracing generation step 2" in caplog.text
-    # the route serves what a step refuses: the trace's size specialisation is no warning to the user
-    assert "the caller serves other sizes with other compiles" in caplog.text
+    assert "size class 2 serves such calls" in caplog.text
+    # size classes serve what a trace does not hold for: the trace's size specialisation is no warning
+    assert "other sizes get a trace of their own (a size class)" in caplog.text
     assert not [r.getMessage() for r in caplog.records if r.name == "piecewise" and r.levelno >= logging.WARNING]
-    for phase in ("", "_2"):
-        assert counters.by_tag[f"{compiled.tag}_generate{phase}"].dynamo_traces == 1, phase
-    assert f"{compiled.tag}_generate_3" not in counters.by_tag and counters.recompiles == 0
+    step = counters.by_tag[f"{compiled.tag}_generate"]
+    assert (step.dynamo_traces, step.size_class_traces) == (2, 1)
+    assert f"{compiled.tag}_generate_2" not in counters.by_tag and counters.recompiles == 0
 
 
 @pytest.mark.parametrize("arch,side", [("gpt2", "left"), ("opt", "right"), ("roberta", "left"), ("roberta", "right"),
