@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -186,3 +187,66 @@ def test_host_load_measures_this_process_cores():
     assert load.usable_cores == usable_cores() == len(os.sched_getaffinity(0)) or load.usable_cores < len(os.sched_getaffinity(0))
     assert load.others_busy >= 0.0 and load.source.startswith("per-CPU sample over")
     assert threads.host_load(0).source == "1-minute load average"
+
+
+# -- the generation benchmark's competing process (piecewise.bench.generation.competitor) --------------
+
+def _gone(pid: int, within: float) -> bool:
+    import psutil
+
+    try:
+        psutil.Process(pid).wait(timeout=within)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+def test_the_competing_process_spins_pinned_to_its_cpu_and_stops_by_itself():
+    import psutil
+
+    from piecewise.bench.generation import competitor
+
+    cpu = max(os.sched_getaffinity(0))
+    p = competitor(cpu, 600)
+    try:
+        for _ in range(600):  # it pins itself once its interpreter is up
+            if psutil.Process(p.pid).cpu_affinity() == [cpu]:
+                break
+            time.sleep(0.05)
+        assert psutil.Process(p.pid).cpu_affinity() == [cpu] and p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
+    p = competitor(cpu, 0.3)
+    assert p.wait(timeout=120) == 0  # its time is up: it ends on its own
+
+
+def test_the_competing_process_ends_with_the_process_that_started_it():
+    import subprocess
+    import sys
+
+    probe = ("import os\nfrom piecewise.bench.generation import competitor\n"
+             f"print(competitor({max(os.sched_getaffinity(0))}, 600).pid, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    pid = int(out.stdout.split()[0])
+    assert _gone(pid, 60), f"the competing process {pid} outlived its parent"
+
+
+def test_the_busy_host_table_gives_each_systems_busy_over_quiet_and_over_eager():
+    from piecewise.bench.generation import busy_thread_counts, to_markdown
+
+    row = {"system": "busy", "batch": 1, "rounds": 2, "threads": 1, "threads_from": "policy, one core busy", "phase": "busy",
+           "round": 0, "step_s": {"quiet": {"hf_eager": [0.040, 0.050], "pw_engine": [0.020, 0.025]},
+                                  "busy": {"hf_eager": [0.080, 0.050], "pw_engine": [0.030, 0.050]}},
+           "busy_vs_quiet": {"hf_eager": [2.0, 1.0], "pw_engine": [1.5, 2.0]},
+           "vs_eager": {"quiet": {"pw_engine": [0.5, 0.5]}, "busy": {"pw_engine": [0.375, 1.0]}}}
+    failed = {"system": "busy", "batch": 8, "phase": "busy", "threads_from": "torch default", "error": ["timed out"]}
+    md = to_markdown([row, failed])
+    assert "| 1 | 1 (policy, one core busy) | hf_eager | 45.0 (40.0–50.0) | 65.0 (50.0–80.0) | 1.50 (1.00–2.00) | 1 | 1 | 2.00, 1.00 |" in md
+    assert "| 1 | 1 (policy, one core busy) | pw_engine | 22.5 (20.0–25.0) | 40.0 (30.0–50.0) | 1.75 (1.50–2.00) | 0.50 (0.50–0.50) | 0.69 (0.38–1.00) | 1.50, 2.00 |" in md
+    assert "| 8 | torch default | busy | failed: timed out" in md
+    counts = dict(busy_thread_counts())
+    assert counts["torch default"] == usable_cores()
+    assert counts.get("policy, one core busy", 1) == max(1, usable_cores() - 1)

