@@ -250,3 +250,32 @@ def test_the_busy_host_table_gives_each_systems_busy_over_quiet_and_over_eager()
     counts = dict(busy_thread_counts())
     assert counts["torch default"] == usable_cores()
     assert counts.get("policy, one core busy", 1) == max(1, usable_cores() - 1)
+
+
+# -- where the policy applies: `piecewise generate` --------------------------------------------------
+
+def test_piecewise_generate_runs_at_the_policys_count(fresh, monkeypatch, capsys):
+    from piecewise.cli import main
+    from piecewise.models import chat
+
+    seen = []
+    monkeypatch.setattr(chat, "answer", lambda prompt, **kw: seen.append(torch.get_num_threads())
+                        or chat.ChatResult("hf", "ok", [1], 0, 0, 0))
+    torch.set_num_threads(2)
+    monkeypatch.setenv(ENV_VAR, "1")
+    assert main(["generate", "--backend", "eager", "hi"]) == 0
+    assert seen == [1]
+    monkeypatch.setenv(ENV_VAR, "3")
+    assert main(["generate", "--backend", "eager", "hi"]) == 0
+    assert seen == [1, 3]
+
+
+def test_piecewise_generate_refuses_a_bad_thread_count_in_one_line(fresh, monkeypatch, capsys):
+    from piecewise.cli import main
+    from piecewise.models import chat
+
+    monkeypatch.setattr(chat, "answer", lambda prompt, **kw: pytest.fail("generated despite a bad PIECEWISE_NUM_THREADS"))
+    monkeypatch.setenv(ENV_VAR, "lots")
+    assert main(["generate", "--backend", "eager", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "PIECEWISE_NUM_THREADS='lots'" in err and "Traceback" not in err
