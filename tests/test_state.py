@@ -281,22 +281,27 @@ def test_a_model_built_elsewhere_moves_the_epoch_but_changes_nothing():
         cm(ids)
 
 
-def test_plain_attribute_change_is_refused_in_debug_mode():
-    """Documented as the user's responsibility without debug: a plain attribute set after the
-    first call moves no epoch. Debug mode checks the trace's guards on every call and refuses it."""
+def test_an_attribute_of_a_plain_object_changed_in_place_is_refused_in_debug_mode():
+    """Documented as the user's responsibility without debug: a value changed inside a plain object
+    the module holds (``model.cfg.scale = 3.0``) passes through no ``Module.__setattr__`` and
+    moves no epoch. Debug mode checks the trace's guards on every call and refuses it. (A plain
+    attribute of the module itself is followed: tests/test_module_attributes.py.)"""
+
+    class Cfg:
+        scale = 2.0
 
     class Scaled(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.scale = 2.0
+            self.cfg = Cfg()
 
         def forward(self, x):
-            return torch.ops.pw_test_state.attn(x * self.scale)
+            return torch.ops.pw_test_state.attn(x * self.cfg.scale)
 
     model = Scaled()
     cm = pw.compile(model, CompilationConfig(backend="eager", debug=True), dynamic_arg_dims={"x": 0})
     cm(torch.randn(3, 2))
-    model.scale = 3.0
+    model.cfg.scale = 3.0
     with pytest.raises(pw.GuardFailureError, match="scale"):
         cm(torch.randn(3, 2))
 

@@ -25,14 +25,33 @@ again (`describe`, O(parameters)) and compare the description with the one taken
   and ``del m.attr``;
 * removing a forward hook or pre-hook (``RemovableHandle.remove``, also behind ``with handle:``),
   which unregisters it from its module's dict without any torch hook (the compiled code kept
-  running it); only module forward-hook handles, not a tensor's or optimizer's.
+  running it); only module forward-hook handles, not a tensor's or optimizer's;
+* a plain attribute assigned on a module of a compiled model's tree that a trace read
+  (``norm.eps = 10.0``, ``attn.num_heads = 2``, ``block.use_gate = False``, ``m.act =
+  some_callable``, ``m.training = False``, or ``m.scale = 2.0`` where forward did
+  ``getattr(self, "scale", None)`` or read a class attribute ``scale``): ``Module.__setattr__`` is
+  wrapped, and the wrapper moves the epoch for a *watched* module and name (`watch`). `describe`
+  watches every module it walks, with the names the traces of the root read on it (`note_read`:
+  `piecewise.trace` takes them from the sources of the trace's guards; all names when not known,
+  as after a warm start); an attribute no trace read (``m.note = "x"``) moves nothing. One dict
+  lookup a module assignment anywhere in the process, nothing on the call path.
 
 Those without a hook in torch get a thin wrapper, installed on ``nn.Module`` (and the two global
-registration functions) once, when the first model is compiled (`install`). Dynamo special-cases
-``Module.__setattr__`` by identity, so that method is left alone: a plain attribute assigned after
-the first call does not move the epoch. Tensors held as plain attributes are few, so a compiled
-model checks their identity on every call instead (`plain_tensors`); a plain non-tensor attribute
-assigned later stays the user's responsibility (see README "What to know").
+registration functions) once, when the first model is compiled (`install`). Dynamo compares
+``Module.__setattr__`` by identity with ``torch.nn.Module.__setattr__`` read when it traces, so the
+wrapper installed there is still recognised; a ``self.x = ...`` that forward itself runs is traced
+through it (``torch.compiler.is_compiling()`` is its first test, so the trace reads none of this
+module's state) and replayed by the compiled code with ``object.__setattr__``, moving no epoch.
+Tensors held as plain attributes, in containers or on plain objects the module holds are checked
+by identity on every call (`plain_tensors`), since assignments inside a container or an object
+pass through no module. What is written past ``Module.__setattr__`` (``object.__setattr__(m,
+...)``, ``m.__dict__[k] = v``, an attribute of a plain object the module holds, a class attribute)
+stays the user's responsibility (see README "What to know").
+
+Cost measured with ``benchmarks/module_attributes.py`` (SmolLM2-shaped, 397 modules): evaluating the
+trace's own Dynamo guards on module attribute values instead took 10.8 us a call with the C++ guard
+manager (its CONSTANT_MATCH / EQUALS_MATCH / ID_MATCH guards only; 48 us with type and hook-dict
+guards), far above the dispatch budget; the epoch adds nothing to a call.
 """
 
 from __future__ import annotations
@@ -40,11 +59,13 @@ from __future__ import annotations
 import functools
 import threading
 import types
+import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["epoch", "bump", "install", "describe", "diff", "TensorState", "CodeGuard", "plain_tensors", "check_plain_tensors"]
+__all__ = ["epoch", "bump", "install", "watch", "watched", "note_read", "read_attributes", "describe", "diff",
+           "TensorState", "CodeGuard", "plain_tensors", "check_plain_tensors", "MODULE_INTERNALS"]
 
 #: the state epoch; read it through `epoch()` or as ``state.EPOCH`` on the hot path
 EPOCH = 0
@@ -84,6 +105,8 @@ def install() -> None:
             original = getattr(torch.nn.Module, name)
             if not getattr(original, "__piecewise_bumps__", False):
                 setattr(torch.nn.Module, name, _bumping(original, mark_handle=name.startswith("register_forward")))
+        if not getattr(torch.nn.Module.__setattr__, "__piecewise_bumps__", False):
+            torch.nn.Module.__setattr__ = _watching_setattr(torch.nn.Module.__setattr__)
         import torch.nn.modules as nn_modules
         from torch.utils.hooks import RemovableHandle
 
@@ -118,6 +141,110 @@ def _bumping(fn: Any, mark_handle: bool = False) -> Any:
 
     wrapper.__piecewise_bumps__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+class _Watch:
+    """One watched module: a weak reference to it and the names whose assignment moves the epoch
+    (None: every name but `_UNWATCHED_NAMES`)."""
+
+    __slots__ = ("ref", "names")
+
+    def __init__(self, ref: weakref.ref, names: frozenset[str] | None) -> None:
+        self.ref, self.names = ref, names
+
+
+#: id(module) -> `_Watch`, for every module of a compiled tree (`watch`); an entry goes with its
+#: module (the reference's callback), so a reused id is never taken for a watched module
+_WATCHED: dict[int, _Watch] = {}
+
+
+def _unwatch(key: int, ref: weakref.ref) -> None:
+    w = _WATCHED.get(key)
+    if w is not None and w.ref is ref:
+        del _WATCHED[key]
+
+
+def watch(module: torch.nn.Module, names: Any = None) -> None:
+    """Watch `module` (one module, not its tree): assigning one of `names` on it through
+    ``Module.__setattr__`` moves the epoch from now on (see the module doc); `names` None: any
+    name. ``training`` always counts. Watching again adds names (None takes in every name, for
+    good): one module in two compiled trees keeps what either reads. Held weakly (keeps nothing
+    alive). `describe` watches every module it walks, with the names a trace read on it."""
+    key = id(module)
+    w = _WATCHED.get(key)
+    if w is None or w.ref() is not module:
+        _WATCHED[key] = _Watch(weakref.ref(module, functools.partial(_unwatch, key)),
+                               None if names is None else frozenset(names) | {"training"})
+    elif w.names is not None and (names is None or not w.names.issuperset(names)):
+        w.names = None if names is None else w.names | frozenset(names)
+
+
+def watched(module: torch.nn.Module, name: str) -> bool:
+    """Whether assigning `name` on `module` moves the epoch (`watch`)."""
+    w = _WATCHED.get(id(module))
+    return (w is not None and w.ref() is module and name not in _UNWATCHED_NAMES
+            and (w.names is None or name in w.names))
+
+
+class _Reads:
+    """The plain attributes traces of one root module read: dotted paths, and the names by module path."""
+
+    __slots__ = ("paths", "by_module")
+
+    def __init__(self, paths: frozenset[str]) -> None:
+        self.paths = paths
+        by_module: dict[str, set[str]] = {}
+        for p in paths:
+            where, _, name = p.rpartition(".")
+            by_module.setdefault(where, set()).add(name)
+        self.by_module = {k: frozenset(v) for k, v in by_module.items()}
+
+
+#: root module -> what its traces read (`note_read`), or None when a trace's reads are not known; a
+#: module missing here counts as None
+_READ: "weakref.WeakKeyDictionary[torch.nn.Module, _Reads | None]" = weakref.WeakKeyDictionary()
+
+
+def note_read(module: torch.nn.Module, paths: Any) -> None:
+    """Record the plain (non-tensor) attributes a trace of `module` read, as dotted paths from it
+    (``"layers.0.norm.eps"``, ``"scale"``; `piecewise.trace` takes them from the trace's guards),
+    so that `describe` compares those and no others and watches those names only: an attribute no
+    forward reads (``m.note = "x"``) then changes nothing and costs nothing. `paths` None means
+    the reads are not known: every plain attribute counts, from now on, for this module (the same
+    when nothing was recorded, as after a warm start from a bundle, until a trace records). Several
+    traces of one module (one model under two tags) add up."""
+    if paths is None:
+        _READ[module] = None
+    elif module not in _READ or _READ[module] is not None:
+        was = _READ.get(module)
+        _READ[module] = _Reads(frozenset(paths) | (was.paths if was is not None else frozenset()))
+
+
+def read_attributes(module: torch.nn.Module) -> frozenset[str] | None:
+    """The plain attributes `describe` compares for `module` (`note_read`), as dotted paths; None: all."""
+    r = _READ.get(module)
+    return None if r is None else r.paths
+
+
+def _watching_setattr(fn: Any) -> Any:
+    """``Module.__setattr__`` moving the epoch after an assignment to a watched module of a name a
+    trace of it read (`watch`). Its own function (not `_bumping`'s): Dynamo refuses to trace a
+    module method whose code object is one of ``nn.Module``'s other methods', and `_bumping`'s
+    wrappers share one code object."""
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        try:
+            fn(self, name, value)
+        finally:
+            # is_compiling() first: under a trace of forward it is a constant and Dynamo reads none
+            # of the watch state (a guard on it would fail once the traced tree is watched)
+            if not torch.compiler.is_compiling():
+                w = _WATCHED.get(id(self))
+                if w is not None and (name in w.names if w.names is not None else name not in _UNWATCHED_NAMES):
+                    bump()
+
+    functools.update_wrapper(__setattr__, fn)
+    __setattr__.__piecewise_bumps__ = True  # type: ignore[attr-defined]
+    return __setattr__
 
 
 def _removing(fn: Any) -> Any:
@@ -221,11 +348,15 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
     Returns ``(layout, addresses)``: `layout` maps each parameter, buffer and tensor-valued plain
     attribute to its `TensorState` (None for a registered ``None``), each path at which a tensor
     already seen at another path is reached again (tied weights) to that first path, and each
-    submodule's ``training`` flag and class to their values; `addresses` maps each tensor path to its
-    ``data_ptr()``. Cost: O(submodules + tensors + attributes): 1.3 ms for the 8-layer reference
-    decoder (91 tensors) on a busy 2-core machine, paid only when the epoch moved."""
+    submodule's ``training`` flag and class and each non-tensor plain attribute a trace of `module`
+    read (`note_read`; every one when that is not known) to their values (`_value`); `addresses`
+    maps each tensor path to its ``data_ptr()``. Every module walked is watched (`watch`) for the
+    names read on it: from then on an assignment to one of them moves the epoch. Cost: O(submodules + tensors + attributes): 1.3 ms for the
+    8-layer reference decoder (91 tensors) on a busy 2-core machine, paid only when the epoch moved."""
     from torch.nn.modules import module as nn_module
 
+    reads = _READ.get(module)
+    read = None if reads is None else reads.paths
     layout: dict[str, Any] = {
         # hooks by their handle ids (unique and never reused, unlike id() of a freed function)
         "<global forward hooks>": (tuple(nn_module._global_forward_hooks), tuple(nn_module._global_forward_pre_hooks)),
@@ -249,6 +380,7 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
                 layout[f"{path} <shares storage with>"] = shared
 
     for name, m in module.named_modules(remove_duplicate=False):
+        watch(m, None if reads is None else reads.by_module.get(name, ()))
         prefix = f"{name}." if name else ""
         layout[f"{prefix}<class>"] = f"{type(m).__module__}.{type(m).__qualname__}"
         layout[f"{prefix}training"] = m.training
@@ -264,7 +396,10 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
                 continue
             if isinstance(v, torch.Tensor):
                 tensor(prefix + aname, v)
-            else:  # settings such as eps or GELU's approximate, fixed into the trace
+            elif read is None or prefix + aname in read:  # settings such as eps, fixed into the trace
+                # (an attribute absent at the trace that it looked for, ``getattr(self, "scale",
+                # None)`` or a class attribute an instance one shadows, is in `read` too: set later,
+                # it appears here and counts as a change)
                 layout[prefix + aname] = _value(v)
     return layout, addresses
 
@@ -303,18 +438,27 @@ _PRIMITIVES = (int, float, bool, str, bytes, type(None), complex, torch.dtype, t
 #: attributes every nn.Module has (parameter/buffer/submodule dicts, hook dicts, flags): described
 #: through their own entries, never as plain attributes
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"forward"}  # forward: the class's is traced
+MODULE_INTERNALS = _MODULE_INTERNALS
 #: plain attributes that code outside forward keeps on a model for itself and no forward reads:
 #: transformers' ``generate()`` stores the length of the last static cache it built on the model
 #: (``_previous_max_cache_length``, transformers/generation/utils.py, to size the next one), so
 #: every generate() with a longer static cache would count as a change and trace again
 _NOT_READ_BY_FORWARD = frozenset({"_previous_max_cache_length"})
 _SKIPPED = _MODULE_INTERNALS | _NOT_READ_BY_FORWARD
+#: names whose assignment on a watched module moves no epoch: an instance ``forward`` is compared on
+#: every call (`CodeGuard`; ``model.forward = compiled`` around ``generate()`` sets and deletes it
+#: every generation), and the bookkeeping no forward reads
+_UNWATCHED_NAMES = frozenset({"forward"}) | _NOT_READ_BY_FORWARD
 
 
 def _value(v: Any, depth: int = 2) -> Any:
     """A comparable description of an attribute value: primitives and containers of them (two
-    levels deep) by value, anything else by type and identity (a new object of any value counts
+    levels deep) by value, type included (``1`` is not ``True`` nor ``1.0``), floats by their repr
+    (``nan`` equals ``nan``, so a nan setting does not count as changed at every look; ``-0.0``
+    differs from ``0.0``), anything else by type and identity (a new object of any value counts
     as a change, which traces again: never wrong, at worst a needless trace)."""
+    if isinstance(v, (float, complex)):
+        return (type(v).__name__, repr(v))
     if isinstance(v, _PRIMITIVES):
         return (type(v).__name__, v)
     if depth > 0 and isinstance(v, (list, tuple)):
@@ -407,9 +551,19 @@ class _Absent:
 _ABSENT = _Absent()
 
 
+_VALUE_TYPES = frozenset(t.__name__ for t in _PRIMITIVES)
+
+
 def _show(v: Any) -> str:
     if isinstance(v, TensorState):
         return str(v)
     if isinstance(v, int) and not isinstance(v, bool) and v > 1 << 16:
         return hex(v)
+    if isinstance(v, tuple) and len(v) in (2, 3) and isinstance(v[0], str) and not isinstance(v[1], tuple):
+        if v[0] in ("float", "complex"):  # an attribute value as `_value` records it: as written
+            return v[1]
+        if v[0] in _VALUE_TYPES:
+            return repr(v[1])
+        if isinstance(v[1], int):
+            return f"a {v[0]} object (id {v[1]:#x})"  # compared by identity
     return repr(v)

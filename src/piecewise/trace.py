@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import io
 import logging
 import re
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from .backend import SOURCE_META, is_state_source
+from .state import note_read
 
 __all__ = ["Trace", "trace", "rebuild"]
 
@@ -488,8 +490,15 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[
         # live value itself (`changed_globals`), with or without Dynamo's own global guards saved
         global_values: dict[str, Any] = {}
         unrecorded: list[str] = []
+        read: list[frozenset[str] | None] = []  # the plain module attributes the trace read (`_read_attributes`)
 
         def serialisable(entries, with_globals=True):
+            if not read:
+                try:
+                    read.append(_read_attributes(entries, fn))
+                except Exception as e:  # a guard named in a way not foreseen: every attribute counts
+                    log.debug("the attributes the trace read are not known (%s: %s)", type(e).__name__, e)
+                    read.append(None)
             keep = [not (g.guard_type in unsupported or any(t in unsupported for t in g.derived_guard_types)
                          or _fingerprinted(g, module) or (closure_sources and g.name.startswith(closure_sources))
                          or (g.is_global and g.guard_type not in _GLOBAL_VALUE_GUARDS))
@@ -548,6 +557,9 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[
             roots = set(object_args)
             object_guards = _build_guards(gco, 
                 fn.__code__, hooks=Hooks(guard_filter_fn=lambda es: [_guard_root(g.name) in roots for g in es])).guard_manager
+    # What of the module's plain attributes this trace read: `state.describe` compares those (an
+    # assignment to one moves the epoch, `state.watch`), not attributes no forward reads.
+    note_read(module, read[0] if read else None)
     env = gco.get_runtime_env()
     # Globals Dynamo installed for the transformed code (``___module_collections_<id>_c0`` and kin)
     # live in the module's dict of this process only: carry them with the code.
@@ -556,6 +568,70 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[
             env.used_globals[name] = gco.f_globals[name]
     return Trace(env, bi.backend_id, compiled, fn.__code__, manager, guards_state, list(gco.traced_code), why,
                    object_guards, global_values=global_values)
+
+
+def _self_roots(fn: types.FunctionType) -> tuple[str, ...]:
+    """How the trace's guard sources name the module (``forward``'s first argument): ``self`` and
+    ``L['self']``, or ``args[0]`` and ``L['args'][0]`` for a decorated forward taking ``*args``."""
+    code = fn.__code__
+    if code.co_argcount:
+        name = code.co_varnames[0]
+        return (name, f"L['{name}']")
+    if code.co_flags & inspect.CO_VARARGS:
+        name = code.co_varnames[code.co_argcount + code.co_kwonlyargcount]
+        return (f"{name}[0]", f"L['{name}'][0]")
+    return ()
+
+
+_MODULE_STEPS = r"((?:\._modules\[(['\"])(?:(?!\2).)*\2\])*)"  # groups 1 (the steps) and 2
+#: guards naming the attribute in their arguments, on the module their source names: Dynamo's
+#: check that an attribute is absent from an instance dict (a class attribute read, ``forward``),
+#: and ``hasattr`` / ``getattr(self, name, default)`` on an absent attribute
+_ATTR_ARGUMENT_GUARDS = frozenset({"NOT_PRESENT_IN_GENERIC_DICT", "HASATTR"})
+#: guards that pin a whole module by identity (a module Dynamo specialises, ``torch._dynamo.mark_static``
+#: on its class): what the trace read inside it has no guard of its own
+_IDENTITY_GUARDS = frozenset({"NN_MODULE", "ID_MATCH"})
+
+
+def _read_attributes(entries: Any, fn: types.FunctionType) -> frozenset[str] | None:
+    """The module's plain attributes the trace read, as dotted paths from the module
+    (``"model.layers.0.input_layernorm.variance_epsilon"``), from the sources of its guards (every
+    attribute whose value, type or identity the trace depends on has a guard, ``CONSTANT_MATCH
+    L['self']._modules['norm'].eps`` and kin), with the attributes it found absent
+    (`_ATTR_ARGUMENT_GUARDS`); module internals (``_modules``, ``_parameters``...) left out.
+    None when they cannot be told: the module's name in the guards is not known, or a module of
+    the tree is pinned by identity (`_IDENTITY_GUARDS`), so reads inside it have no guards."""
+    from .state import MODULE_INTERNALS
+
+    roots = _self_roots(fn)
+    if not roots:
+        return None
+    root = "|".join(re.escape(r) for r in sorted(roots, key=len, reverse=True))
+    # ``<root>._modules['a']._modules['b'].name``, or ``....__dict__['name']``
+    attr = re.compile(rf"(?<![\w.\]'\"])(?:{root}){_MODULE_STEPS}\.(?:__dict__\[(['\"])(\w+)\3\]|([A-Za-z_]\w*))")
+    module_only = re.compile(rf"(?:{root}){_MODULE_STEPS}")
+    step = re.compile(r"\._modules\[(['\"])(.*?)\1\]")
+
+    def path(steps: str, name: str) -> str:
+        return ".".join([*(m.group(2) for m in step.finditer(steps)), name])
+
+    out = set()
+    for g in entries:
+        name = g.name or ""
+        for m in attr.finditer(name):
+            found = m.group(4) or m.group(5)
+            if found not in MODULE_INTERNALS:
+                out.add(path(m.group(1), found))
+        if g.guard_type in _ATTR_ARGUMENT_GUARDS or g.guard_type in _IDENTITY_GUARDS:
+            m = module_only.fullmatch(name)
+            if m is None:
+                continue
+            if g.guard_type in _IDENTITY_GUARDS:
+                return None
+            named = getattr(getattr(g.orig_guard, "create_fn", None), "keywords", {}).get("attr")
+            if isinstance(named, str) and named not in MODULE_INTERNALS:
+                out.add(path(m.group(1), named))
+    return frozenset(out)
 
 
 _ROOT = re.compile(r"(?:L\[['\"](\w+)['\"]\]|([A-Za-z_]\w*))")
