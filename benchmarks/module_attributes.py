@@ -11,7 +11,9 @@ module, and each call compares one integer. This script prints, on a transformer
 * ``dispatch``: one call of the compiled model with its compiled forward replaced by a stub that
   returns at once, so what is timed is piecewise's per-call work only (argument checks, the epoch,
   the per-call code guard); run it on a checkout before the change (``PYTHONPATH=<old>/src``) for
-  the "before" figure;
+  the "before" figure; and the same calls in rounds alternating between the watch on and undone
+  (torch's ``Module.__setattr__`` put back, nothing watched), each round the best of 3, which
+  compares the two in one process;
 * ``setattr``: ``module.attr = value`` on a module no compiled model holds, on one it holds (that
   moves the epoch), and torch's own ``Module.__setattr__`` unwrapped;
 * ``look after an assignment``: the first call after an assignment that changes nothing the trace
@@ -89,6 +91,23 @@ def main(argv: list[str] | None = None) -> int:
     traced = cm._fast
     cm._fast = lambda module, *args, **kwargs: None  # dispatch only: the forward is a stub
     _show("dispatch (compiled forward stubbed)", _rounds(lambda: cm(ids), a.number, a.repeats))
+    wrapped = torch.nn.Module.__setattr__
+    if hasattr(wrapped, "__wrapped__") and hasattr(state, "_WATCHED"):
+        # the same calls with the watch undone (torch's __setattr__ back, nothing watched), rounds
+        # alternating in this process: what following attributes adds to a call, free of the
+        # differences between processes
+        held = dict(state._WATCHED)
+        on: list[float] = []
+        off: list[float] = []
+        for _ in range(a.repeats):
+            for undone, out in ((False, on), (True, off)):
+                torch.nn.Module.__setattr__ = wrapped.__wrapped__ if undone else wrapped
+                state._WATCHED.clear() if undone else state._WATCHED.update(held)
+                out.append(min(timeit.repeat(lambda: cm(ids), number=a.number, repeat=3)) / a.number * 1e6)
+        torch.nn.Module.__setattr__ = wrapped
+        state._WATCHED.update(held)
+        for name, xs in (("dispatch, alternating: watching on", on), ("dispatch, alternating: watching undone", off)):
+            _show(name, {"median_us": statistics.median(xs), "min_us": min(xs), "max_us": max(xs)})
 
     free = torch.nn.LayerNorm(8)  # a module no compiled model holds
     norm = model.model.layers[0].input_layernorm

@@ -235,3 +235,27 @@ def test_the_trace_records_the_attributes_it_read():
     assert not any(p.endswith(("._parameters", "._modules", ".training", ".forward")) for p in read)
     assert state.watched(model.blocks[0].ln1, "eps") and state.watched(model.blocks[0], "training")
     assert not state.watched(model.blocks[0], "note") and not state.watched(torch.nn.LayerNorm(8), "eps")
+
+
+def test_a_tensor_attribute_absent_at_the_first_call_and_set_later_is_followed():
+    """``getattr(self, "gain", None)`` read nothing at the trace; a tensor set there later is read."""
+
+    class Gained(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = torch.ops.pw_test_attrs.attn(self.lin(x))
+            gain = getattr(self, "gain", None)
+            return h * gain if gain is not None else h
+
+    model = Gained()
+    cm = pw.compile(model, CompilationConfig(backend="eager", max_num_tokens=32), dynamic_arg_dims={"x": 0})
+    x = torch.randn(3, 4)
+    cm(x)
+    model.gain = torch.full((4,), 3.0)
+    with counters.expect(recompiles=1, state_changes=1):
+        with torch.no_grad():
+            torch.testing.assert_close(cm(x), model(x))
