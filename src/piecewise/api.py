@@ -282,6 +282,23 @@ class CompiledModel:
         same arguments and result as ``module.generate``. Equivalent to ``module.forward = compiled``
         followed by ``module.generate(...)``, without leaving the assignment behind.
 
+        The call holds the module's generation lock (`generation_lock`) while ``module.forward`` is
+        set, so generate() calls on one module from several threads, through one compiled model or
+        several (``pw.compile(m, tag="a")`` and ``pw.compile(m, tag="b")``), run one after the
+        other; what it sets runs this compiled model on this thread only (other threads calling the
+        module meanwhile run its own forward), and the module is left as it was (an instance
+        ``forward`` set before the call is set again, also when generate() raises). A generate()
+        nested in another on the same thread (from a streamer or stopping criterion) runs inside it,
+        through another compiled model; one through the same compiled model is refused
+        (`InputError`: its KV cache holds one generation).
+
+        generate()'s own options (``logits_processor``, ``stopping_criteria``, ``streamer``,
+        ``stop_strings`` with ``tokenizer``, ``prefix_allowed_tokens_fn``, ``generation_config``,
+        ``custom_generate``, ...) are served as the model's own generate() serves them; those
+        piecewise's generation KV cache cannot serve (``assistant_model``, ``prompt_lookup_num_tokens``,
+        ``prefill_chunk_size``, ``guidance_scale`` with the cache on) are refused by name (see
+        `piecewise.models.hf_generate.GENERATE_OPTIONS`).
+
         In mode ``"none"`` this is the model's own ``generate`` (nothing compiled, no piecewise cache).
 
         Raises:
@@ -289,12 +306,14 @@ class CompiledModel:
             ConfigError: the model's attention is not ``attn_implementation='piecewise'`` (a class whose
                 attention bypasses transformers' attention interface, Falcon, GPT-Neo, Bloom, MPT, is named
                 as such: it cannot be built that way).
+            InputError: an option or input piecewise's generation cannot serve, named.
         """
         generate = getattr(self.module, "generate", None)
         if generate is None:
             raise AttributeError(f"{type(self.module).__name__} has no generate(); call the compiled model instead")
         if self._route is None and self.config.mode == "none":  # eager: the model's own generate()
-            return self._generate_with_forward(generate, args, kwargs)
+            with self.generation_lock(self.module):
+                return self._generate_with_forward(generate, args, kwargs)
         if self._route is None:
             name = type(self.module).__name__
             impl = getattr(getattr(self.module, "config", None), "_attn_implementation", "?")
@@ -309,21 +328,88 @@ class CompiledModel:
                 f"[{self.tag}] compiled generate() needs a transformers causal LM built with attn_implementation='piecewise' "
                 "(call piecewise.models.hf.register_hf_attention() first), so its attention reaches the KV cache piecewise "
                 f"owns; {name} uses {impl!r}")
-        self._route.check_generate(args, kwargs)
-        with self._route.generating():
-            return self._generate_with_forward(generate, args, kwargs)
+        with self.generation_lock(self.module):
+            kwargs = self._route.check_generate(args, kwargs)
+            with self._route.generating():
+                return self._generate_with_forward(generate, args, kwargs)
+
+    #: per module (weak keys), the lock that owns its instance ``forward`` for a generation (`generation_lock`)
+    _generation_locks: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+    _generation_locks_guard = threading.Lock()
+
+    @staticmethod
+    def generation_lock(module: torch.nn.Module) -> Any:
+        """The re-entrant lock (`threading.RLock`) that owns `module`'s instance ``forward`` for a
+        generation: `generate` holds it while it sets ``module.forward`` and calls transformers'
+        generate(), and a generation step (`piecewise.models.hf_generate`) while it takes that
+        attribute off the module for its run. One lock per module, shared by every compiled model
+        of it, held weakly (it goes with the module). Re-entrant, so a generate() nested in another
+        on the same thread (a streamer's) takes it again.
+
+        Example::
+
+            with pw.CompiledModel.generation_lock(model):
+                model.forward = compiled  # no compiled generate() on `model` runs meanwhile
+                ...
+                del model.forward
+        """
+        with CompiledModel._generation_locks_guard:
+            lock = CompiledModel._generation_locks.get(module)
+            if lock is None:
+                lock = CompiledModel._generation_locks[module] = threading.RLock()
+            return lock
+
+    class _GenerationForward:
+        """What a compiled generate() sets as its module's ``forward`` for the call: on the thread
+        running that generate(), the compiled model (the innermost one, for generate() calls nested
+        on the thread); on any other thread, what the module's ``forward`` was before (an instance
+        forward set earlier, else the class's), so code using the module elsewhere meanwhile runs it
+        as if nothing were set (an eager ``model(...)`` or ``model.generate(...)`` gets eager results)."""
+
+        #: not code a trace inlined (`state.CodeGuard` leaves it out)
+        _piecewise_compiled_model = True
+
+        def __init__(self, module: torch.nn.Module, had: bool, previous: Any) -> None:
+            self.module, self.had, self.previous = module, had, previous
+            # transformers' generate() reads the forward's parameters (attention_mask, logits_to_keep)
+            self.__signature__ = inspect.signature(types.MethodType(type(module).forward, module))
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            for module, forward in reversed(getattr(CompiledModel._generating, "stack", ())):
+                if module is self.module:
+                    return forward(*args, **kwargs)
+            if self.had:
+                return self.previous(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
+
+    #: per thread, ``stack``: the (module, forward) of each compiled generate() running on it, innermost last
+    _generating = threading.local()
 
     def _generate_with_forward(self, generate: Any, args: tuple, kwargs: dict) -> Any:
-        had = "forward" in self.module.__dict__
-        previous = self.module.__dict__.get("forward")
-        self.module.forward = self
+        """``generate(*args, **kwargs)`` with every forward call of this thread on the module running
+        this compiled model (`_GenerationForward`, set as ``module.forward``), then the module's
+        instance ``forward`` exactly as before (absent, or what was set). The caller holds
+        `generation_lock`, so no other thread sets or takes ``forward`` meanwhile."""
+        module = self.module
+        d = module.__dict__
+        # mode "none": the model's own forward (calling this compiled model would call the module again)
+        forward = self if self.config.mode != "none" else (lambda *a, **k: self._forward_fn(module, *a, **k))
+        installed = None
+        if not isinstance(d.get("forward"), CompiledModel._GenerationForward):  # else: nested in a generate() on this thread
+            installed = CompiledModel._GenerationForward(module, "forward" in d, d.get("forward"))
+            d["forward"] = installed  # as `module.forward = ...` does (a plain attribute lives in __dict__)
+        local = CompiledModel._generating
+        outer = getattr(local, "stack", ())
+        local.stack = (*outer, (module, forward))
         try:
             return generate(*args, **kwargs)
         finally:
-            if had:
-                self.module.forward = previous
-            else:
-                del self.module.forward
+            local.stack = outer
+            if installed is not None and d.get("forward") is installed:  # (one set meanwhile by the caller stays)
+                if installed.had:
+                    d["forward"] = installed.previous
+                else:
+                    d.pop("forward", None)
 
     def frame_locals(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The frame locals ``forward`` would see for this call (what Dynamo's guards read)."""

@@ -33,12 +33,24 @@ of either dim for fused-QKV models), at most `MAX_GENERAL_STEPS`. Left padding w
 2-D ``attention_mask``: pad
 positions are never attended by real tokens. ``use_cache=False`` runs the whole sequence each step
 through the same compiled step.
+
+Threads: a compiled ``generate()`` owns the module's ``forward`` for its call through the module's
+generation lock (`piecewise.CompiledModel.generation_lock`), which every step takes too, so
+generations on one module from several threads (through one compiled model or several) run one
+after the other, and a generation nested in another on the same thread runs inside it (through
+another compiled model: one KV cache holds one generation); what it sets as ``forward`` runs the
+compiled model on its own thread only, so eager use of the module on other threads meanwhile is
+eager. generate()'s own options are served as transformers serves them or refused by name
+(`GENERATE_OPTIONS`); config flags asking every forward for more than logits
+(``output_router_logits`` of mixture-of-experts configs, hidden states) are
+turned off in the steps, since generate() reads only the logits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import logging
 import threading
 import weakref
@@ -267,6 +279,9 @@ class GenerationStep(torch.nn.Module):
         self.num_layers = layers
         #: kv_valid passed with every slot's row (``[max_num_seqs, max_model_len]``), not the batch's
         self.all_slots_kv_valid = False
+        #: the model's ``output_*`` flags a config may set for every forward (`_output_flags`), and
+        #: whether its forward can be told to leave each off
+        self._output_flags = _output_flags(model)
 
     def sharing(self, last_logits_only: bool) -> "GenerationStep":
         """A step over the same model and the same cache tensors that returns the other logits."""
@@ -290,10 +305,17 @@ class GenerationStep(torch.nn.Module):
         # only when B == 1, so a first call with one sequence traced a step guarded on B == 1 (which
         # guard-free dispatch would not check). The gather makes [B, 1, H] contiguous at any B.
         keep = torch.full((1,), -1, dtype=torch.long, device=input_ids.device) if self.last_logits_only else 0
-        # A step returns logits only: a config asking every forward for hidden states or attention
-        # weights (config.output_hidden_states=True) would record them through hooks no graph holds
-        extra = {flag: False for flag in ("output_hidden_states", "output_attentions")
-                 if getattr(self.model.config, flag, False) is True}
+        # A step returns logits only: a config asking every forward for hidden states, attention
+        # weights or router logits (config.output_hidden_states=True; output_router_logits=True in
+        # mixture-of-experts configs) would record them through hooks no graph holds
+        extra = {}
+        for flag, accepted in self._output_flags:
+            if getattr(self.model.config, flag, None) not in (None, False):
+                if not accepted:
+                    raise ConfigError(f"{type(self.model).__name__}'s config sets {flag}={getattr(self.model.config, flag)!r}, "
+                                      f"and its forward takes no {flag} argument to turn it off for a generation step, "
+                                      "which returns logits only; set model.config." + flag + " = False to generate")
+                extra[flag] = False
         # The class's forward: ``self.model.forward`` may be the compiled model itself (generate()).
         out = type(self.model).forward(self.model, input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                        logits_to_keep=keep, **extra,
@@ -302,6 +324,24 @@ class GenerationStep(torch.nn.Module):
                                        pw_k_caches=k_caches, pw_v_caches=v_caches,
                                        pw_write_in_op=self.all_slots_kv_valid)
         return out.logits
+
+
+def _output_flags(model: torch.nn.Module) -> tuple[tuple[str, bool], ...]:
+    """The ``output_*`` flags that ask `model`'s forward for more than logits (hidden states,
+    attentions, router logits, and whatever its modules record: transformers'
+    ``_can_record_outputs``), each with whether the class's forward takes it (by name, or through
+    ``**kwargs`` it passes down), so a step can pass it False."""
+    flags = {"output_hidden_states", "output_attentions", "output_router_logits"}
+    for m in model.modules():
+        recorded = getattr(type(m), "_can_record_outputs", None)
+        if isinstance(recorded, dict):
+            flags |= {f"output_{k}" for k in recorded}
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return tuple((f, takes_kwargs or f in params) for f in sorted(flags))
 
 
 def cached_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -338,6 +378,37 @@ _UNSUPPORTED = ("inputs_embeds", "labels", "output_attentions", "output_hidden_s
 _STEP_KWARGS = frozenset(_GENERATION_KWARGS) | {"input_ids", "cache_position"}
 #: forward flags whose default is True (every other flag's is False, as `output_router_logits`)
 _DEFAULT_TRUE = frozenset({"is_causal"})
+
+#: generate()'s own keyword arguments (transformers' ``GenerationMixin.generate`` parameters and the
+#: options it takes from its ``**kwargs`` for itself, beyond generation config fields and forward
+#: arguments) and how a compiled generate() treats each: served (used by generate() outside the
+#: forward: on the logits, the tokens or the loop, as the model's own generate() uses it), or
+#: refused by name with the reason (`GenerationRoute.check_generate`, before anything runs).
+#: transformers passes some on to every forward call in its model kwargs (``tokenizer``,
+#: ``assistant_tokenizer``), where the model's forward ignores them: a generation step drops
+#: every one of these names that the model's forward does not name itself (`_GENERATE_ONLY`).
+GENERATE_OPTIONS: dict[str, str] = {
+    "inputs": "served: the prompt (input_ids)",
+    "generation_config": "served: read by generate(), and by check_generate for the KV cache limits",
+    "logits_processor": "served: runs on each step's logits",
+    "stopping_criteria": "served: runs on the tokens after each step",
+    "prefix_allowed_tokens_fn": "served: a logits processor",
+    "synced_gpus": "served: generate()'s loop keeps stepping until every rank finished, up to max_model_len",
+    "assistant_model": "refused: assisted decoding verifies candidate tokens and rolls the KV cache back, which "
+                       "piecewise's generation KV cache does not",
+    "streamer": "served: receives the tokens",
+    "negative_prompt_ids": "served: read by guidance_scale's logits processor (guidance with the cache on is refused)",
+    "negative_prompt_attention_mask": "served: as negative_prompt_ids",
+    "custom_generate": "served: its decoding loop calls the forward, each call a generation step checked as any",
+    "tokenizer": "served: stop_strings and token healing read it; passed on to the forward, which ignores it",
+    "assistant_tokenizer": "refused with assistant_model (as assistant_model); alone it is ignored, as eager ignores it",
+    "trust_remote_code": "served: lets custom_generate load its code",
+}
+#: names a generation step leaves out of a forward call (see `GENERATE_OPTIONS`)
+_GENERATE_ONLY = frozenset(GENERATE_OPTIONS) | {"inputs_tensor"}
+#: forward flags that only add outputs generate() never reads (the router logits of mixture-of-experts
+#: models, and their auxiliary loss): a compiled generate() leaves them out of its forward calls
+_UNREAD_BY_GENERATE = ("output_router_logits",)
 
 
 class _CacheReset:
@@ -409,6 +480,15 @@ def _positions_held(cache: Any) -> int:
         return 0
     held = length()
     return int(held) if isinstance(held, (int, torch.Tensor)) else 0
+
+
+def _named_parameters(fn: Any) -> frozenset[str]:
+    """The parameter names of `fn` (a decorated forward's, through ``__wrapped__``), not ``*args`` or ``**kwargs``."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
 
 def cache_kind_problem(cache: Any) -> str | None:
@@ -496,10 +576,27 @@ class GenerationRoute:
         #: one step at a time, one compiled generate() at a time: the KV cache holds one generation
         self._step_lock = threading.Lock()
         self._generate_lock = threading.Lock()
+        from ..api import CompiledModel
+
+        #: the module's generation lock, shared with every compiled model of it (`CompiledModel.generation_lock`)
+        self._module_lock = CompiledModel.generation_lock(model)
+        #: the names the model's forward takes itself (a generate() option of the same name is then its argument)
+        self._forward_names = _named_parameters(type(model).forward)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         if not any(k in kwargs for k in _GENERATION_KWARGS):
             return NotImplemented
+        # The module's generation lock (`CompiledModel.generation_lock`): a compiled generate() on
+        # the module holds it while its forward is assigned, and the step takes that assignment off
+        # the module while it runs (`_step`); re-entrant, so a step inside generate() just takes it.
+        with self._module_lock:
+            return self._serve(args, kwargs)
+
+    def _serve(self, args: tuple, kwargs: dict) -> Any:
+        if any(k in _GENERATE_ONLY and k not in self._forward_names for k in kwargs):
+            # generate()'s own options that transformers passes on to the forward with its model
+            # kwargs (tokenizer, with stop_strings), where the model's forward ignores them
+            kwargs = {k: v for k, v in kwargs.items() if k not in _GENERATE_ONLY or k in self._forward_names}
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         bad = [k for k in _UNSUPPORTED if kwargs.get(k) is not None and kwargs.get(k) is not False]
         # any other option transformers' forward takes (is_causal=False: bidirectional attention;
@@ -507,8 +604,11 @@ class GenerationRoute:
         bad += [k for k, v in kwargs.items() if k not in _STEP_KWARGS and k not in _UNSUPPORTED and v is not None
                 and v is not (k in _DEFAULT_TRUE)]  # a flag at transformers' default changes nothing
         if bad or input_ids is None or len(args) > 1:
+            unread = [k for k in bad if k in _UNREAD_BY_GENERATE]
+            why = (f"; the step returns logits only, so it cannot return what {unread[0]} asks for (generate() never reads "
+                   f"it: piecewise's compiled generate() leaves it out, or leave it out of model.generate())") if unread else ""
             raise InputError(f"[{self.tag}] the compiled generation step takes input_ids (and attention_mask, position_ids, "
-                             f"cache, use_cache, logits_to_keep); got {bad or 'positional arguments'}")
+                             f"cache, use_cache, logits_to_keep); got {bad or 'positional arguments'}{why}")
         if input_ids.dim() != 2:
             raise InputError(f"[{self.tag}] input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         input_ids = self._token_ids(input_ids)
@@ -556,8 +656,10 @@ class GenerationRoute:
                              "cache, start the sequence with use_cache=True so the cache this model returns continues "
                              "it, or generate with the model itself, uncompiled (attn_implementation='sdpa')")
         if not self._step_lock.acquire(blocking=False):
-            raise InputError(f"[{self.tag}] two generation steps at once on this compiled model (two threads): piecewise's "
-                             "KV cache holds one generation at a time; compile a second model (another tag) per thread")
+            # (steps from other threads wait for the module's generation lock: this is a step started
+            # inside another on the same thread, from code the model runs)
+            raise InputError(f"[{self.tag}] a generation step started inside another on this compiled model: piecewise's "
+                             "KV cache holds one generation at a time; compile a second model (another tag) for the inner one")
         try:
             return self._step(kwargs, input_ids, cache, continuing)
         finally:
@@ -840,24 +942,28 @@ class GenerationRoute:
 
     @contextlib.contextmanager
     def generating(self) -> Any:
-        """Hold the route for one compiled ``generate()`` call (`piecewise.CompiledModel.generate`).
+        """Hold the route for one compiled ``generate()`` call (`piecewise.CompiledModel.generate`,
+        which holds the module's generation lock around it: a generate() from another thread waits
+        for this one to end).
 
         Raises:
-            InputError: another ``generate()`` on this compiled model is running (nested in a
-                streamer or stopping criterion, or in another thread): the KV cache holds one
-                generation at a time.
+            InputError: another ``generate()`` on this compiled model is running on this thread
+                (nested in a streamer or stopping criterion): the KV cache holds one generation at a time.
         """
         if not self._generate_lock.acquire(blocking=False):
             raise InputError(f"[{self.tag}] generate() on this compiled model while another generate() on it runs (nested in a "
-                             "streamer or stopping criterion, or from another thread): piecewise's KV cache holds one "
-                             "generation at a time; compile a second model (another tag) for concurrent generations")
+                             "streamer or stopping criterion): piecewise's KV cache holds one generation at a time; compile "
+                             "a second model (another tag) for the nested generation")
         try:
             yield
         finally:
             self._generate_lock.release()
 
-    def check_generate(self, args: tuple, kwargs: dict) -> None:
-        """Before ``generate()`` runs: the batch and prompt plus new tokens fit the KV cache.
+    def check_generate(self, args: tuple, kwargs: dict) -> dict:
+        """Before ``generate()`` runs: the options it can serve (`GENERATE_OPTIONS`), and the batch
+        and prompt plus new tokens fit the KV cache. Returns the keyword arguments to call
+        ``generate()`` with: `kwargs` without the forward flags whose outputs generate() never reads
+        (``output_router_logits``: eager computes the router logits and drops them).
 
         Raises:
             InputError: naming `max_num_seqs` or `max_model_len` (the same limits a step checks, with
@@ -869,6 +975,10 @@ class GenerationRoute:
                 speculative decoding, guidance with the cache on, chunked prefill.
             ConfigError: a `CompilationConfig.dynamic_shapes` the steps cannot be traced under.
         """
+        self._check_generate(args, kwargs)
+        return {k: v for k, v in kwargs.items() if k not in _UNREAD_BY_GENERATE}
+
+    def _check_generate(self, args: tuple, kwargs: dict) -> None:
         self._check_dynamic_shapes()
         gen_cfg = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
         speculative = [k for k in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
