@@ -273,7 +273,6 @@ class CompiledModel:
             out = self._start_size_class(cls, args, kwargs)
             if "bundle_load" not in cls.timings:  # traced, not started warm from a bundle
                 counters.bump("size_class_traces", tag=self.tag)
-            self._size_classes.append(cls)
             self._serving = cls
             return out
 
@@ -805,6 +804,13 @@ def compile(
 
     Raises:
         ConfigError: `model` is not a module, or `dynamic_arg_dims` names no argument.
+
+    Example::
+
+        model = MyDecoder().eval()  # forward(self, input_ids: [batch, tokens] int64) -> logits
+        compiled = piecewise.compile(model, piecewise.CompilationConfig(max_num_tokens=512),
+                                     dynamic_arg_dims={"input_ids": (0, 1)})
+        logits = compiled(input_ids)  # traced and compiled here; any batch x length after it
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"piecewise.compile takes a torch.nn.Module, got {type(model).__name__}; wrap the function in a module")
