@@ -26,10 +26,9 @@ that slot; no real row reads a pad row's slot). Its batches are uniform decode, 
 attention op is the only splitting op in the model's graph: the step is one graph per batch size,
 its attention op inside (attending the whole cache under the mask; a generation zeroes its rows
 past the prompt once, so no stale non-finite value meets a zero weight). So generation shows two traces on a GPU
-(prefill, decode) and one on the CPU, unless the model's step code branches on a size: a step
-refuses the sizes its trace is wrong for, and the route traces another general step for them
-(``<tag>_generate_2``; OPT's mask code branches on one new token; Inductor specialises size 1
-of either dim for fused-QKV models), at most `MAX_GENERAL_STEPS`. Left padding works through the
+(prefill, decode) and one on the CPU, unless the model's step code branches on a size: the sizes
+a step's trace does not hold for get a trace of their own, a size class of the step (OPT's mask
+code branches on one new token), up to ``CompilationConfig.max_size_classes``. Left padding works through the
 2-D ``attention_mask``: pad
 positions are never attended by real tokens. ``use_cache=False`` runs the whole sequence each step
 through the same compiled step.
@@ -77,14 +76,6 @@ log = logging.getLogger("piecewise")
 #: model passes arange positions first). RoBERTa's family numbers from the token ids instead
 #: (`GenerationRoute._default_positions`).
 MASK_NUMBERED_POSITIONS = frozenset({"opt"})
-
-#: general generation steps per kind of logits, at most: one per size class a compiled step can
-#: be specialised to, a batch of one or more x one new token or more. Inductor's stride rules
-#: specialise both size-1 cases for models that slice a fused QKV projection (Phi-3, GPT-2, GPT-J,
-#: CodeGen, Cohere, GLM, Persimmon): batch 1 then 2 takes all four. Past that a refusal reaches
-#: the caller.
-MAX_GENERAL_STEPS = 4
-
 
 class StepAttention(NamedTuple):
     """What `GenerationRoute` knows on the host about the step it runs, for `hf_cached_attention`.
@@ -548,10 +539,6 @@ class GenerationRoute:
         #: compiled steps by (whether they return only the last position's logits, whether they are the
         #: decode step with graphs), each traced on first use
         self.compiled: dict[tuple, Any] = {}
-        #: per kind of logits (last position only?), the general steps after the first (`_run_general`)
-        self._more_steps: dict[bool, list[Any]] = {}
-        #: per (kind of logits, one new token?), which general step served the last such call
-        self._served_last: dict[tuple[bool, bool], int] = {}
         self._graphs: bool | None = None
         #: the decode step with graphs failed to capture: decode steps run on a general step
         self._decode_graphs_off = False
@@ -829,7 +816,7 @@ class GenerationRoute:
                             batch, e, "every decode step" if isinstance(e, CaptureError) else "this call")
                     compiled = self._ensure_compiled(input_ids.device, last_only, decode=False)
             if logits is None:
-                compiled, logits = self._run_general(compiled, last_only, new == 1, input_ids.device, run)
+                compiled, logits = self._run_general(compiled, run)
         finally:
             _step_attention.reset(step_token)
             if assigned is not None:
@@ -909,36 +896,13 @@ class GenerationRoute:
             return (valid.long().cumsum(-1) * valid - 1)[:, past:]
         return torch.arange(past, valid.shape[1], device=valid.device)[None]
 
-    def _run_general(self, first: Any, last_only: bool, one_token: bool, device: torch.device,
-                     run: Any) -> tuple[Any, torch.Tensor]:
-        """Run a general step on this call, returning the step that served it and its logits.
-
-        A step's trace can depend on the sizes (a model's mask code branching on ``q_length == 1``,
-        as OPT's does); the step then refuses other sizes before running anything
-        (`SizeRefusedError`). The steps made so far are tried, the one that served the last call
-        of the same phase (one new token, or several) first; when all refuse, one more is traced
-        at this call's sizes (tag ``<tag>_generate_<n>``), at most `MAX_GENERAL_STEPS` in all."""
-        steps = [first, *self._more_steps.setdefault(last_only, [])]
-        start = self._served_last.get((last_only, one_token), 0)
-        error: SizeRefusedError | None = None
-        with size_refusals_handled():  # a step's first call traces it: its refusals are ours to serve
-            for i in [start, *(j for j in range(len(steps)) if j != start)]:
-                try:
-                    logits = run(steps[i])
-                except SizeRefusedError as e:
-                    error = e
-                    continue
-                self._served_last[(last_only, one_token)] = i
-                return steps[i], logits
-            assert error is not None
-            if len(steps) >= MAX_GENERAL_STEPS:
-                raise error
-            log.info("[%s] %s; tracing generation step %d for such calls", self.tag, error, len(steps) + 1)
-            step = self._ensure_compiled(device, last_only, number=len(steps) + 1)
-            self._more_steps[last_only].append(step)
-            logits = run(step)
-        self._served_last[(last_only, one_token)] = len(steps)
-        return step, logits
+    def _run_general(self, step: Any, run: Any) -> tuple[Any, torch.Tensor]:
+        """Run the general step on this call, returning it and its logits. A step's trace can
+        depend on the sizes (a model's mask code branching on ``q_length == 1``, as OPT's does):
+        the sizes it does not hold for get a trace of their own on their first call, a size class
+        of the step (`piecewise.CompiledModel`, up to ``CompilationConfig.max_size_classes``), the
+        mechanism every entry point shares."""
+        return step, run(step)
 
     @contextlib.contextmanager
     def generating(self) -> Any:
@@ -1153,7 +1117,7 @@ class GenerationRoute:
             check_attention_supported(self.model, self.max_model_len)
         except ConfigError as e:
             raise ConfigError(f"[{self.tag}] the model's config changed after the first call ({what}): {e}") from None
-        for compiled in [*self.compiled.values(), *(s for steps in self._more_steps.values() for s in steps)]:
+        for compiled in self.compiled.values():
             with compiled._lock:
                 compiled._follow(what)
         self._verified.clear()
@@ -1259,16 +1223,14 @@ class GenerationRoute:
         self._decode_mode = mode
         return mode
 
-    def _ensure_compiled(self, device: torch.device, last_only: bool, decode: bool = False, number: int = 1) -> Any:
+    def _ensure_compiled(self, device: torch.device, last_only: bool, decode: bool = False) -> Any:
         """The compiled step returning the last position's logits (`last_only`, tag
         ``<tag>_generate``: what ``generate()`` asks for with ``logits_to_keep=1``) or every
         position's (tag ``<tag>_generate_all_logits``: other calls), built on first use over one
         set of cache tensors; for a `decode` call where graphs apply, the decode step with graphs
-        (tag ``<tag>_generate_decode``, see the module doc). A `number` above 1 makes another
-        general step (tag suffix ``_<number>``) for calls the earlier ones refused
-        (`_run_general`)."""
+        (tag ``<tag>_generate_decode``, see the module doc)."""
         decode = decode and last_only and self._graphs_apply(device) and not self._decode_graphs_off
-        key = (last_only, decode) if number == 1 else (last_only, False, number)
+        key = (last_only, decode)
         if key in self.compiled:
             return self.compiled[key]
         import dataclasses
@@ -1291,7 +1253,9 @@ class GenerationRoute:
             mode = self._decode_graph_mode()
             config = dataclasses.replace(self.config, tag=f"{self.tag}_generate_decode", compile_sizes=(),
                                          compile_ranges=(), max_num_tokens=self.max_num_seqs,
-                                         cudagraph_capture_sizes=sizes, cudagraph_mode=mode)
+                                         cudagraph_capture_sizes=sizes, cudagraph_mode=mode,
+                                         # a batch its trace does not hold for runs on the general step
+                                         max_size_classes=1)
             compiled = pw_compile(step, config, dynamic_arg_dims={"input_ids": 0, "position_ids": 0})
             with torch.inference_mode(False):
                 self.decode_write_pos = torch.zeros(1, dtype=torch.long, device=device)
@@ -1299,7 +1263,7 @@ class GenerationRoute:
             return compiled
         # Batch and token dims are both dynamic, so size and range compiles (keyed by one token
         # count) do not apply to the step, nor do graphs: one symbolic compile serves it.
-        suffix = ("" if last_only else "_all_logits") + ("" if number == 1 else f"_{number}")
+        suffix = "" if last_only else "_all_logits"
         config = dataclasses.replace(self.config, tag=f"{self.tag}_generate{suffix}",
                                      compile_sizes=(), compile_ranges=(), cudagraph_mode="none",
                                      cudagraph_capture_sizes=None,
