@@ -12,10 +12,13 @@ non-tensor arguments equal to the traced values; anything else raises `InputErro
 ``CompilationConfig(debug=True)`` every call also evaluates the trace's Dynamo guards (kept from the
 trace), so a guard that would have failed raises `GuardFailureError` instead of running stale code.
 
-Also frozen, since Dynamo read them while tracing: attributes of the module that are not tensors
-(``self.temperature = 2.0`` after the first call is not seen) and Python side effects in
-``forward`` (a counter incremented per call runs once). Hooks on submodules are traced; hooks on
-the model itself are refused (forward is called directly). Debug mode detects all of these.
+Module state the trace read is not frozen: a change through ``nn.Module`` (``.to()``, ``.train()``,
+a reassigned parameter, a hook, a plain attribute the trace read such as ``norm.eps = 10.0``)
+moves the state epoch (`piecewise.state`), and the next call traces again. Still frozen: Python
+side effects in ``forward`` (a counter incremented per call runs once), and what is written past
+``Module.__setattr__`` (``object.__setattr__``, an attribute of a plain object the module holds, a
+class attribute changed on the class), which debug mode detects. Hooks on submodules are traced;
+hooks on the model itself are refused (forward is called directly).
 
 Compiled models are for inference: every call runs under ``torch.no_grad()`` and outputs carry no
 autograd history.
