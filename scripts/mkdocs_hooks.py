@@ -91,12 +91,10 @@ ENVIRONMENT = {
                                 "(default 1800)", "guides/fleet.md#compile-once-per-fleet"),
     "PIECEWISE_RANK_SHARING": ("`0`: ranks of one job do not share compiled pieces through the local root",
                                "guides/tensor-parallel.md#the-compile-cache-across-ranks"),
-    "PIECEWISE_NUM_THREADS": ("intra-op threads of an inference process that applies piecewise's thread policy (the "
-                              "command line, `piecewise.threads.apply_serving_threads`): a whole number, or `auto` "
-                              "(default: one per usable core other processes leave free)", "guides/cli.md"),
-    "PIECEWISE_NUM_THREADS": ("intra-op threads of the command line's inference commands and of "
-                              "`piecewise.threads.apply_serving_threads()` (`auto` or empty: decided from the free cores)",
-                              "guides/cli.md"),
+    "PIECEWISE_NUM_THREADS": ("intra-op threads of a process that applies piecewise's thread policy (`piecewise "
+                              "generate`, `piecewise.threads.apply_serving_threads()`): a whole number, or `auto` or "
+                              "empty (default: one per usable core other processes leave free)",
+                              "guides/cpu.md#threads"),
     "PIECEWISE_LLAMA_ATTENTION": ("the reference decoder's attention: `auto` (Triton on CUDA when installed, else "
                                   "SDPA), `sdpa` or `triton`", "guides/engine.md#attention-kernels"),
 }
