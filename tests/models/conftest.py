@@ -40,3 +40,30 @@ class GreedyMargin:
 def greedy_margin():
     """``greedy_margin(forward)``: a `GreedyMargin` around `forward`; ``.smallest`` after decoding."""
     return GreedyMargin
+
+
+def left_padded_prompts(lengths, seed=1, low=3, high=512):
+    """A left-padded batch: ids ``[B, max(lengths)]`` int64 (random ids in ``[low, high)``) and its
+    attention_mask (0 on the left pads)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(low, high, (n,), generator=gen)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def greedy_reference(model, ids, mask, **kw):
+    """`model`'s greedy ``generate()`` sequences, after checking every chosen token won by more than
+    `MIN_GREEDY_MARGIN` (so exact token equality with another code path is meaningful on any CPU);
+    non-finite scores (a logits processor's -inf) never count as the runner-up."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                             **kw)
+    for scores in out.scores:
+        finite = scores.float().masked_fill(~torch.isfinite(scores), -1e9)
+        top = finite.topk(2, dim=-1).values
+        assert (top[:, 0] - top[:, 1]).min().item() > MIN_GREEDY_MARGIN, "near-tie in the reference; change the seed"
+    return out.sequences

@@ -15,7 +15,8 @@ import piecewise as pw
 from piecewise import CompilationConfig, counters
 from piecewise.models import hf
 
-from conftest import MIN_GREEDY_MARGIN
+from conftest import MIN_GREEDY_MARGIN, greedy_reference
+from conftest import left_padded_prompts as _prompts
 
 hf.register_hf_attention()
 
@@ -57,28 +58,9 @@ def _build(arch, attn, seed=0):
     return model
 
 
-def _prompts(lengths, seed=1):
-    """A left-padded batch: ids [B, max_len] and attention_mask (0 on the left pads)."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 512, (n,), generator=gen)
-        mask[i, width - n:] = 1
-    return ids, mask
-
-
 def _eager(arch, ids, mask, **kw):
-    """Greedy sequences of the sdpa model, after checking every chosen token won by a clear margin
-    (so exact token equality with another code path is meaningful on any CPU)."""
-    model = _build(arch, "sdpa")
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, output_scores=True, return_dict_in_generate=True, **kw)
-    for scores in out.scores:
-        top = scores.float().topk(2, dim=-1).values
-        assert (top[:, 0] - top[:, 1]).min().item() > MIN_GREEDY_MARGIN, "near-tie in the reference; change the seed"
-    return out.sequences
+    """Greedy sequences of the sdpa model (`greedy_reference`: every token won by a clear margin)."""
+    return greedy_reference(_build(arch, "sdpa"), ids, mask, **kw)
 
 
 def _config(**kw):

@@ -16,7 +16,8 @@ from piecewise import CompilationConfig, counters
 from piecewise.models import hf
 from piecewise.models.hf_generate import GENERATE_OPTIONS
 
-from conftest import MIN_GREEDY_MARGIN
+from conftest import greedy_reference as _eager
+from conftest import left_padded_prompts as _prompts
 
 hf.register_hf_attention()
 
@@ -51,30 +52,6 @@ def _build(cfg, attn, seed=0):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(50)
     return model
-
-
-def _prompts(lengths, seed=1, low=3, high=512):
-    """A left-padded batch: ids [B, max_len] and attention_mask (0 on the left pads)."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(low, high, (n,), generator=gen)
-        mask[i, width - n:] = 1
-    return ids, mask
-
-
-def _eager(model, ids, mask, **kw):
-    """The eager model's greedy sequences, after checking every chosen token won by a clear margin."""
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                             **kw)
-    for scores in out.scores:
-        finite = scores.float().masked_fill(~torch.isfinite(scores), -1e9)
-        top = finite.topk(2, dim=-1).values
-        assert (top[:, 0] - top[:, 1]).min().item() > MIN_GREEDY_MARGIN, "near-tie in the reference; change the seed"
-    return out.sequences
 
 
 def _cfg(**kw):

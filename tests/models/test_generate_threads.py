@@ -14,7 +14,8 @@ import piecewise as pw
 from piecewise import CompilationConfig, counters
 from piecewise.models import hf
 
-from conftest import MIN_GREEDY_MARGIN
+from conftest import greedy_reference as _eager
+from conftest import left_padded_prompts as _prompts
 
 hf.register_hf_attention()
 
@@ -30,27 +31,6 @@ def _build(attn, seed=0):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(50)
     return model
-
-
-def _prompts(lengths, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 512, (n,), generator=gen)
-        mask[i, width - n:] = 1
-    return ids, mask
-
-
-def _eager(model, ids, mask, **kw):
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                             **kw)
-    for scores in out.scores:
-        top = scores.float().topk(2, dim=-1).values
-        assert (top[:, 0] - top[:, 1]).min().item() > MIN_GREEDY_MARGIN, "near-tie in the reference; change the seed"
-    return out.sequences
 
 
 def _cfg(**kw):

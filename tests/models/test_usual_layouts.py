@@ -16,7 +16,6 @@ import piecewise as pw
 from piecewise import CompilationConfig, counters
 from piecewise.errors import ConfigError, GuardFailureError, SizeRefusedError
 from piecewise.models import hf
-from piecewise.tags import scoped_tags
 
 from usual_layouts import MODELS
 
@@ -25,12 +24,7 @@ GRID = [(b, t) for b in (1, 2, 3, 8) for t in (1, 2, 7, 64, 512)]
 
 
 def _check_grid(cm, model, first, seed):
-    gen = torch.Generator().manual_seed(seed)
-    for b, t in [first, *GRID]:
-        ids = torch.randint(0, 256, (b, t), generator=gen)  # fresh data every call
-        with torch.no_grad():
-            want = model(ids)
-        torch.testing.assert_close(cm(ids), want, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {b} x {t}: {m}")
+    _check_grid_at(cm, model, [first, *GRID], seed)
 
 
 @pytest.mark.parametrize("name,first", [("nanogpt", (2, 16)), ("nanogpt", (1, 1)), ("fused_qkv", (2, 16)),
