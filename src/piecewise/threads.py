@@ -22,8 +22,8 @@ A host is *oversubscribed* when ``others + threads > usable + 0.25``: whatever t
 step then shares cores with other work and runs slower and unevenly. That is logged once per
 process (logger ``piecewise.threads``), naming the fix.
 
-Where it applies: the command line's inference commands (``piecewise generate``, ``chat``,
-``demo``) and the generation benchmark call `apply_serving_threads`; the library never changes a
+Where it applies: ``piecewise generate`` and the generation benchmark (``--threads policy``) call
+`apply_serving_threads`; ``piecewise demo`` does not (it measures at torch's default); the library never changes a
 process's thread count by itself (`piecewise.compile` on a CPU model only checks the host once, in
 the background, and warns). A server built on the library calls `apply_serving_threads` at start::
 
