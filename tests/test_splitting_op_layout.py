@@ -263,3 +263,17 @@ def test_fake_of_another_dtype_is_a_compile_error_naming_the_op():
     with pytest.raises(pw.CompileError, match="pw_test_layout::as_double") as err:
         slots["submod_1"](torch.randn(3, 4))
     assert "torch.float64" in str(err.value) and "torch.float32" in str(err.value)
+
+
+def test_an_inductor_stride_assertion_inside_one_compiled_piece_becomes_a_compile_error():
+    """With mode='full' or split_strategy='inductor_partition' a splitting op runs inside Inductor's
+    code, out of the splitting runners' reach: Inductor's own ``assert_size_stride`` failing there
+    reaches the caller as a `CompileError` naming the likely cause and the fix; another
+    AssertionError stays what it is."""
+    from piecewise.compiled import _layout_assertion
+
+    seen = _layout_assertion(AssertionError("expected size 3==3, stride 192==16 at dim=1"), "m")
+    assert isinstance(seen, pw.CompileError)
+    assert "register_fake" in str(seen) and "stride 192==16" in str(seen) and "q.new_empty(q.shape)" in str(seen)
+    other = AssertionError("a model's own check")
+    assert _layout_assertion(other, "m") is other

@@ -18,7 +18,7 @@ from typing import Any, Union
 
 import torch.fx
 
-from .errors import InputError, SizeRefusedError
+from .errors import CompileError, InputError, SizeRefusedError
 from .forward_context import ForwardContext, RuntimeMode, enter_forward, exit_forward
 from .graphs.install import GraphInstall, GraphPlan, install_graphs
 from .ops import direct_call
@@ -150,6 +150,24 @@ class CompiledPlan:
     size_refusal: SizeRefusal | None = None
 
 
+def _layout_assertion(e: AssertionError, tag: str) -> Exception:
+    """Inductor's generated code asserts the sizes and strides of the tensors it is handed
+    (``assert_size_stride``): inside one compiled piece (``mode="full"``, ``split_strategy=
+    "inductor_partition"``) a splitting op whose fake promised other strides than the op returns
+    fails there, out of reach of the splitting runners' check (`piece.SplittingRunner`). That
+    assertion becomes a `CompileError` naming the cause and the fix; any other `AssertionError` is
+    returned as it is."""
+    text = str(e)
+    if "expected size" not in text or "stride" not in text:
+        return e
+    return CompileError(
+        f"[{tag}] a tensor inside the compiled code has other strides than its trace promised ({text.splitlines()[0]}). "
+        "The usual cause: a splitting op whose fake (register_fake) returns other strides than the op, e.g. "
+        "torch.empty_like(q) of a transposed q where the op returns a contiguous tensor; make the fake return the "
+        "op's layout (q.new_empty(q.shape) for a contiguous result). With mode='piecewise' and split_strategy='fx' "
+        "piecewise copies such outputs into the fake's layout itself")
+
+
 class StitchedForward:
     """The runtime callable Dynamo calls with the graph's flat inputs.
 
@@ -175,9 +193,12 @@ class StitchedForward:
     def __call__(self, *args: Any) -> Any:
         if self.refusal is not None:
             self._check_sizes(args)
-        if self.graphs is not None:
-            return self.graphs(args)
-        return self.run_plain(*args)
+        try:
+            if self.graphs is not None:
+                return self.graphs(args)
+            return self.run_plain(*args)
+        except AssertionError as e:
+            raise _layout_assertion(e, self.tag) from e
 
     def _check_sizes(self, args: tuple) -> None:
         """Raise `SizeRefusedError` when this call's sizes fail a guard of `refusal`. A tuple of
