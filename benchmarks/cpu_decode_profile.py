@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                     with torch.no_grad():
                         ttft, total = built[key](10 + r, n=b, tokens=args.steps + 1)
                     step.setdefault((*key, n, b), []).append((total - ttft) / args.steps * 1e3)
+                    print(f"round {r} threads {n} batch {b} {key[0]}/{key[1]}: {step[(*key, n, b)][-1]:.1f} ms/step", flush=True)
         print(f"round {r} done, load {os.getloadavg()}", flush=True)
     torch.set_num_threads(threads[0])
     bw_after = bandwidth_gbs(threads[0])
