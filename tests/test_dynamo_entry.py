@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 import piecewise as pw
@@ -118,3 +119,22 @@ def test_options_are_config_fields_and_mode_is_refused():
     fn = torch.compile(model, backend="piecewise", options={"backend": "eager", "tag": "seq_entry"})
     fn(torch.randn(1, 3, 8))
     assert counters.by_tag["seq_entry"].graphs_seen == 1
+
+
+@pytest.mark.parametrize("var,value,match", [("PIECEWISE_MAX_NUM_TOKENS", "lots", "PIECEWISE_MAX_NUM_TOKENS='lots'"),
+                                             ("PIECEWISE_CONFIG", "{bad", "PIECEWISE_CONFIG is not valid JSON"),
+                                             ("PIECEWISE_BACKEND", "nosuch", "backend='nosuch' is not a registered")])
+def test_a_malformed_environment_config_is_a_config_error_the_caller_can_catch(monkeypatch, var, value, match):
+    """Raised inside the backend, Dynamo wrapped it in BackendCompilerFailed, so ``except
+    pw.ConfigError`` did not catch it; it now arrives as itself (one class, the same message)."""
+    monkeypatch.setenv(var, value)
+    fn = torch.compile(torch.nn.Linear(4, 4), backend="piecewise")
+    with pytest.raises(pw.ConfigError, match=match) as info:
+        fn(torch.randn(2, 4))
+    assert isinstance(info.value, pw.errors.ConfigError) and type(info.value).__name__ == "ConfigError"
+
+
+def test_a_mode_is_refused_as_a_config_error_the_caller_can_catch():
+    fn = torch.compile(torch.nn.Linear(4, 4), backend="piecewise", mode="max-autotune")
+    with pytest.raises(pw.ConfigError, match=r"mode='max-autotune'\) is not a piecewise setting"):
+        fn(torch.randn(2, 4))

@@ -24,6 +24,7 @@ import torch
 import torch.fx
 from torch._dispatch.python import enable_python_dispatcher
 
+from ._torch.dynamo import unwrapped_by_dynamo
 from .cache.key import KEY_FORMAT, compute_key, diff_factors, env_factors, input_signature, source_factors
 from .cache.remote import claim_or_wait, remote_cache, remote_url
 from .cache.store import CacheEntry, current_rank, resolve_root, shares_across_ranks
@@ -34,7 +35,7 @@ from .config import CompilationConfig
 from .counters import counters
 from .compiled import (CompiledForward, CompiledPlan, Load, Rebuild, Reuse, RunnerSpec, SIZE_REMEDY, SizeRefusal, Step, StitchedForward,
                        build_forward)
-from .errors import CompileError, ConfigError, RecompileError
+from .errors import CompileError, ConfigError, PiecewiseError, RecompileError
 from .ops import op_exists, registered_splitting_ops, resolve_splitting_ops
 from .graphs.install import graph_plan as plan_graphs
 from .graphs.install import token_mixing
@@ -967,7 +968,19 @@ def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     length 1 after a dynamic graph compiles once more (Dynamo specialises sizes 0 and 1). Every graph
     Dynamo hands over for a frame after its first is counted in ``recompiles`` and logged at INFO
     with Dynamo's reason; graph-break pieces of one compile are not recompiles.
+
+    A piecewise error (a malformed ``PIECEWISE_CONFIG`` or ``PIECEWISE_MAX_NUM_TOKENS``, an unknown
+    ``PIECEWISE_BACKEND``, a refused option) reaches the caller as itself, so ``except
+    piecewise.ConfigError`` catches it, not wrapped in Dynamo's ``BackendCompilerFailed``.
     """
+    try:
+        return _dynamo_backend(gm, example_inputs, options, mode)
+    except PiecewiseError as e:  # reaches the caller as itself, not wrapped in Dynamo's BackendCompilerFailed
+        raise unwrapped_by_dynamo(e) from e.__cause__
+
+
+def _dynamo_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None,
+                    mode: str | None) -> Callable[..., Any]:
     if mode is not None:
         raise ConfigError(f"torch.compile(..., mode={mode!r}) is not a piecewise setting; pass CompilationConfig fields "
                           "as options={...} (e.g. options={'cudagraph_mode': 'full'})")
