@@ -79,6 +79,22 @@ def workloads(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _measure(spec: dict, generate) -> dict:
+    """One system's row from its ``generate(seed, n, new_tokens, out=None) -> (ttft s, total s)``:
+    the first request (start to first token, from the process's spawn time) then every workload of
+    `spec`, each printed to stderr as it ends."""
+    tokens: list[list[int]] = []
+    t_call = time.time()
+    ttft, total = generate(0, 1, spec["new_tokens"], tokens)
+    first = {"start_first_token_s": t_call + ttft - float(os.environ[SPAWN_VAR]), "total_s": total, "tokens": tokens[0]}
+    runs = []
+    for w in workloads(spec):
+        ttft, total = generate(w["seed"], w["n"], w["tokens"])
+        runs.append({**w, "ttft_s": ttft, "total_s": total})
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    return _summarise(spec, first, runs)
+
+
 def _summarise(spec: dict[str, Any], first: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The process's figures from its raw calls (each ``{name, n, tokens, ttft_s, total_s}``)."""
     row: dict[str, Any] = {"start_first_token_s": first["start_first_token_s"], "first_call_s": first["total_s"],
@@ -118,16 +134,7 @@ def _torch_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
     for seed, prompts in spec["prompts"].items():  # the prompts vLLM gets are the ones these builders make
         if _prompts(tok, len(prompts), int(seed), spec["prompt_len"]) != prompts:
             raise RuntimeError(f"the prompts of seed {seed} differ from the spec's: the systems would not see the same input")
-    tokens: list[list[int]] = []
-    t_call = time.time()
-    ttft, total = generate(0, 1, spec["new_tokens"], tokens)
-    first = {"start_first_token_s": t_call + ttft - float(os.environ[SPAWN_VAR]), "total_s": total, "tokens": tokens[0]}
-    runs = []
-    for w in workloads(spec):
-        ttft, total = generate(w["seed"], w["n"], w["tokens"])
-        runs.append({**w, "ttft_s": ttft, "total_s": total})
-        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    row = _summarise(spec, first, runs)
+    row = _measure(spec, generate)
     import transformers
 
     row.update(build_s=build_s, recompiles=recompiles(), threads=torch.get_num_threads(), torch=torch.__version__,
@@ -169,16 +176,7 @@ def _vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
             out.extend(done[rid] for rid in ids)
         return (first if first is not None else float("nan")), total
 
-    tokens: list[list[int]] = []
-    t_call = time.time()
-    ttft, total = generate(0, 1, spec["new_tokens"], tokens)
-    first = {"start_first_token_s": t_call + ttft - float(os.environ[SPAWN_VAR]), "total_s": total, "tokens": tokens[0]}
-    runs = []
-    for w in workloads(spec):
-        ttft, total = generate(w["seed"], w["n"], w["tokens"])
-        runs.append({**w, "ttft_s": ttft, "total_s": total})
-        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    row = _summarise(spec, first, runs)
+    row = _measure(spec, generate)
     import torch
     import vllm
 

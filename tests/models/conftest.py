@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -67,3 +69,13 @@ def greedy_reference(model, ids, mask, **kw):
         top = finite.topk(2, dim=-1).values
         assert (top[:, 0] - top[:, 1]).min().item() > MIN_GREEDY_MARGIN, "near-tie in the reference; change the seed"
     return out.sequences
+
+
+@contextlib.contextmanager
+def forward_assigned(model, compiled):
+    """The torch.compile pattern: ``model.forward = compiled`` for the block, then undone."""
+    model.forward = compiled
+    try:
+        yield model
+    finally:
+        del model.forward

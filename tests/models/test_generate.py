@@ -2,7 +2,6 @@
 attn_implementation="sdpa" eager, for both entry paths, every cache spelling, left-padded batches,
 and one trace for any batch size and prompt length."""
 
-import contextlib
 import copy
 import itertools
 import logging
@@ -16,6 +15,7 @@ from piecewise import CompilationConfig, counters
 from piecewise.models import hf
 
 from conftest import MIN_GREEDY_MARGIN, greedy_reference
+from conftest import forward_assigned as _forward_assigned
 from conftest import left_padded_prompts as _prompts
 
 hf.register_hf_attention()
@@ -67,16 +67,6 @@ def _config(**kw):
     kw.setdefault("backend", "eager")
     kw.setdefault("max_model_len", 256)
     return CompilationConfig(max_num_tokens=256, **kw)
-
-
-@contextlib.contextmanager
-def _forward_assigned(model, compiled):
-    """The torch.compile pattern: ``model.forward = compiled`` for the block, then undone."""
-    model.forward = compiled
-    try:
-        yield model
-    finally:
-        del model.forward
 
 
 _SPELLINGS = {"dynamic_cache": {}, "static_cache": {"cache_implementation": "static"}, "no_cache": {"use_cache": False}}

@@ -3,7 +3,6 @@ generate() serves is served with its tokens (stop strings with a tokenizer, stre
 processors, stopping criteria, mixture-of-experts configs asking for router logits), what
 piecewise's KV cache cannot serve is refused by name."""
 
-import contextlib
 import inspect
 import zipfile
 from importlib import resources
@@ -17,6 +16,7 @@ from piecewise.models import hf
 from piecewise.models.hf_generate import GENERATE_OPTIONS
 
 from conftest import greedy_reference as _eager
+from conftest import forward_assigned as _forward_assigned
 from conftest import left_padded_prompts as _prompts
 
 hf.register_hf_attention()
@@ -57,15 +57,6 @@ def _build(cfg, attn, seed=0):
 def _cfg(**kw):
     kw.setdefault("backend", "eager")
     return CompilationConfig(max_model_len=256, max_num_tokens=256, **kw)
-
-
-@contextlib.contextmanager
-def _forward_assigned(model, compiled):
-    model.forward = compiled
-    try:
-        yield model
-    finally:
-        del model.forward
 
 
 def _generate(spelling, compiled, ids, **kw):
