@@ -397,8 +397,27 @@ def test_a_fleet_that_starts_together_compiles_each_entry_once(redis, server, tm
     assert all(r["equal"] for r in reports)
     # one process compiled every piece (what it compiles alone), the others compiled nothing
     inv = sorted(r["counters"]["compiler_invocations"] for r in reports)
-    assert inv[:-1] == [0] * (n - 1) and inv[-1] > 0
+    assert inv[:-1] == [0] * (n - 1) and inv[-1] > 0, [(r["counters"], r["warnings"]) for r in reports]
     assert sum(r["counters"]["remote_waits"] + r["counters"]["remote_pulls"] > 0 for r in reports) == n - 1
+
+
+def test_an_entry_published_between_the_miss_and_the_lease_is_loaded_not_compiled_again(redis, server):
+    # the race of a fleet starting together: process B misses the entry, process A publishes it and
+    # releases its lease, then B takes the free lease; B must look again before compiling
+    from piecewise.cache.remote import RemoteCache, claim_or_wait
+
+    tier = RemoteCache(server.url, key=KEY.encode())
+    rel = "entrykey/tag"
+    looks = []
+    assert claim_or_wait(tier, "/unused", rel, lambda: looks.append(1) or True) is None
+    assert looks == [1]  # one look after the lease, which found the entry
+    assert not tier.holder_alive(rel)  # and the lease was let go at once
+    lease = claim_or_wait(tier, "/unused", rel, lambda: False)  # nothing published: this process compiles
+    try:
+        assert lease is not None and tier.holder_alive(rel)
+    finally:
+        lease.release()
+    assert not tier.holder_alive(rel)
 
 
 HOLDER = r"""

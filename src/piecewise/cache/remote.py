@@ -273,6 +273,7 @@ class RemoteCache:
         self._resting_until = 0.0
         self._slow = 0
         self._lock = threading.Lock()
+        self._rejected: set[tuple[str, str]] = set()
 
     # -- plumbing -----------------------------------------------------------------------------
     def read_namespaces(self) -> list[str]:
@@ -508,7 +509,9 @@ class RemoteCache:
     def _reject(self, rel: str, why: str) -> None:
         from ..counters import counters
 
-        counters.bump("remote_rejects")
+        if (rel, why) not in self._rejected:  # a value looked at twice (before and after a lease) counts once
+            self._rejected.add((rel, why))
+            counters.bump("remote_rejects")
         report_once(f"remote-reject:{rel}", f"piecewise remote cache: not loading {rel} from {self.url}: {why}; "
                     "compiling it locally and publishing it again")
 
@@ -633,12 +636,20 @@ def claim_or_wait(remote: RemoteCache, root: str, rel: str, reopen: Callable[[],
     caller's read-through open of the entry) found it published, or the tier failed or the wait
     ran past ``PIECEWISE_REMOTE_WAIT_S`` (default `WAIT_S`; then this process compiles without a
     lease, with a warning). A holder that dies stops renewing its lease, which expires within
-    `LEASE_MS`; the first waiter to see it gone takes it over."""
+    `LEASE_MS`; the first waiter to see it gone takes it over. Every lease taken is followed by one
+    more `reopen()`: the entry may have been published between the caller's miss and the lease."""
     if remote.namespace not in remote.read_namespaces():
         return None  # keyless and unsigned entries not allowed: nothing another process publishes loads here
     lease = remote.lease(rel)
-    if lease is not None or remote.resting():
+    if lease is not None:
+        # the caller's miss came before this lease: a holder may have published the entry and let go
+        # in between (it publishes, then releases), so look once more before compiling it again
+        if reopen():
+            lease.release()
+            return None
         return lease
+    if remote.resting():
+        return None
     from ..counters import counters
 
     counters.bump("remote_waits")
