@@ -35,8 +35,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from ._torch import pytree
 from .errors import InputError
 
 log = logging.getLogger("piecewise")

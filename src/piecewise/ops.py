@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from ._torch.dispatch import dispatch_is_plain
+from ._torch.ops import FloatType, ListType, OpOverload, OpOverloadPacket, OptionalType, has_kernel_for_dispatch_key
 from .errors import ConfigError
 
 __all__ = ["splitting_op", "mark_splitting_op", "registered_splitting_ops", "normalize_op_name", "op_exists", "DirectCall",
@@ -37,14 +39,14 @@ def normalize_op_name(op: Any) -> str:
     Raises:
         ConfigError: `op` is neither a string nor a torch op object.
     """
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         return f"{op.namespace}::{op._opname}"
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, OpOverloadPacket):
         ns, _, name = op._qualified_op_name.partition("::")
         return f"{ns}::{name}"
     # torch.library.custom_op's CustomOpDef exposes the underlying packet via `_opoverload`.
     inner = getattr(op, "_opoverload", None)
-    if isinstance(inner, torch._ops.OpOverload):
+    if isinstance(inner, OpOverload):
         return normalize_op_name(inner)
     if isinstance(op, str):
         s = op.strip()
@@ -149,7 +151,7 @@ class DirectCall:
 
     __slots__ = ("overload", "fn", "mutated", "checked", "__name__")
 
-    def __init__(self, overload: torch._ops.OpOverload, fn: Callable[..., Any]) -> None:
+    def __init__(self, overload: OpOverload, fn: Callable[..., Any]) -> None:
         self.overload = overload
         self.fn = fn
         #: whether a call went through the dispatcher yet (its backend kernel checks, once, that the
@@ -190,8 +192,7 @@ class DirectCall:
 
     @staticmethod
     def _direct(args: tuple, kwargs: dict) -> bool:
-        if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
-                or torch.autograd.profiler._is_profiler_enabled or torch._C._is_any_autocast_enabled()):
+        if not dispatch_is_plain():
             return False
         grad = torch.is_grad_enabled()
         for a in (*args, *kwargs.values()):
@@ -209,12 +210,12 @@ def direct_call(target: Any) -> DirectCall | None:
     """A `DirectCall` for an op overload registered with `splitting_op` that has no device kernel
     of its own; None for anything else (which keeps its dispatcher call). A packet (what Dynamo's
     graphs call) stands for its one overload; a packet with several keeps the dispatcher's choice."""
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         overloads = target.overloads()
         if len(overloads) != 1:
             return None
         target = getattr(target, overloads[0])
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return None
     name = normalize_op_name(target)
     with _lock:
@@ -222,7 +223,7 @@ def direct_call(target: Any) -> DirectCall | None:
     if fn is None:
         return None
     qualname = f"{target.namespace}::{target._opname}"
-    if any(torch._C._dispatch_has_kernel_for_dispatch_key(qualname, k) for k in _DEVICE_KEYS):
+    if any(has_kernel_for_dispatch_key(qualname, k) for k in _DEVICE_KEYS):
         return None
     import inspect
 
@@ -241,14 +242,14 @@ class _RuntimeTyped(Exception):
 
 def _convert(value: Any, typ: Any) -> Any:
     """`value` (a node argument) converted as the dispatcher converts it for schema type `typ`."""
-    if isinstance(typ, torch._C.OptionalType):
+    if isinstance(typ, OptionalType):
         return None if value is None else _convert(value, typ.getElementType())
     is_node = isinstance(value, torch.fx.Node)
-    if isinstance(typ, torch._C.FloatType):
+    if isinstance(typ, FloatType):
         if is_node:
             raise _RuntimeTyped
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
-    if isinstance(typ, torch._C.ListType):
+    if isinstance(typ, ListType):
         if is_node or not isinstance(value, (list, tuple)):
             raise _RuntimeTyped
         return [_convert(v, typ.getElementType()) for v in value]

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from ._torch.ops import OpOverload, OpOverloadPacket
+from ._torch.subclasses import FakeTensor
 from .config import CompilationConfig
 from .counters import counters
 from .errors import CompileError
@@ -235,7 +237,7 @@ class SplittingRunner:
         if self.phase is LayoutPhase.TRUSTED:
             return out
         outs = (out,) if self.single else tuple(out)
-        if any(isinstance(o, torch._subclasses.FakeTensor) for o in outs):
+        if any(isinstance(o, FakeTensor) for o in outs):
             return out  # run under a fake mode (a trace of the caller): nothing real to check
         expected = self._expected(args, outs)
         if expected is None:
@@ -301,14 +303,15 @@ class SplittingRunner:
     def _run_on_fakes(self, args: tuple[Any, ...]) -> Any:
         """The piece's graph run on fake copies of `args` (static sizes: this call's), outside any
         dispatch mode the caller runs under, so the ops' fakes answer rather than their bodies."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
-        from torch.utils._python_dispatch import _disable_current_modes
-        from torch.utils._pytree import tree_map_only
+
+        from ._torch.dispatch import disable_current_modes
+        from ._torch.pytree import tree_map_only
+        from ._torch.subclasses import FakeTensorMode
 
         if self._graph_forward is None:
             self._graph_forward = fx_forward(self.graph)
-        with _disable_current_modes():
+        with disable_current_modes():
             mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
             fake_args = tree_map_only(torch.Tensor, lambda t: mode.from_tensor(t, static_shapes=True), args)
             with mode, torch.no_grad():
@@ -397,7 +400,7 @@ def _output_ops(graph: torch.fx.GraphModule) -> tuple[bool, tuple[str, ...]]:
     for v in ((value,) if single else value):
         while isinstance(v, torch.fx.Node) and v.op == "call_function" and v.target is operator.getitem:
             v = v.args[0]
-        if isinstance(v, torch.fx.Node) and isinstance(v.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if isinstance(v, torch.fx.Node) and isinstance(v.target, (OpOverload, OpOverloadPacket)):
             names.append(normalize_op_name(v.target))
         else:
             names.append(v.name if isinstance(v, torch.fx.Node) else repr(v))
@@ -439,7 +442,7 @@ def piece_fingerprint(graph: torch.fx.GraphModule, example_inputs: Sequence[Any]
             target = "in"
         elif node.op == "call_module":
             target = f"module:{type(getattr(graph, target)).__name__}"
-        elif isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        elif isinstance(target, (OpOverload, OpOverloadPacket)):
             target = str(target)
         elif not isinstance(target, str):
             qual = getattr(target, "__qualname__", None) if isinstance(getattr(target, "__qualname__", None), str) else None

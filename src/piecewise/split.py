@@ -17,6 +17,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from ._torch.ops import OpOverload, OpOverloadPacket
 from .errors import SplitError
 from .ops import normalize_op_name
 
@@ -94,7 +95,7 @@ def shadowed_torch_functions(gm: torch.fx.GraphModule) -> list[str]:
     out = []
     for node in gm.graph.nodes:
         target = node.target
-        if node.op != "call_function" or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if node.op != "call_function" or isinstance(target, (OpOverload, OpOverloadPacket)):
             continue
         module = getattr(target, "__module__", None) or ""
         if module != "torch" and not module.startswith("torch."):  # not torchaudio, torch_foo
@@ -113,7 +114,7 @@ def shadowed_torch_functions(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def _target_name(target: object) -> str | None:
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(target, (OpOverload, OpOverloadPacket)):
         return normalize_op_name(target)
     return None
 
@@ -157,8 +158,8 @@ def _written_operands(node: torch.fx.Node, split_ops: frozenset[str]) -> list[ob
     if node.args and (target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
                       or _writes_in_place(getattr(target, "__name__", None))):
         out.append(node.args[0])
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        schemas = [target._schema] if isinstance(target, torch._ops.OpOverload) else [
+    if isinstance(target, (OpOverload, OpOverloadPacket)):
+        schemas = [target._schema] if isinstance(target, OpOverload) else [
             getattr(target, o)._schema for o in target.overloads()]
         for schema in schemas:
             for i, arg in enumerate(schema.arguments):

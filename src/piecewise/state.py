@@ -64,6 +64,8 @@ from typing import Any
 
 import torch
 
+from ._torch.dispatch import is_any_autocast_enabled
+
 __all__ = ["epoch", "bump", "install", "watch", "watched", "note_read", "read_attributes", "describe", "diff",
            "TensorState", "CodeGuard", "plain_tensors", "check_plain_tensors", "MODULE_INTERNALS"]
 
@@ -410,7 +412,7 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 def autocast_state() -> tuple[tuple[str, str], ...] | None:
     """The devices autocast is on for and their dtypes, ``(("cpu", "torch.bfloat16"),)``; None when
     it is off everywhere. Compared between calls of a compiled model and part of the start key."""
-    if not torch._C._is_any_autocast_enabled():
+    if not is_any_autocast_enabled():
         return None
     return tuple((d, str(torch.get_autocast_dtype(d))) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
 

@@ -31,6 +31,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
+from .._torch.dispatch import has_storage
 from .base import PassContext, PiecewisePass
 
 __all__ = ["NoOpElimination", "eliminate_noops", "scatter_writes_back_own_view"]
@@ -115,7 +116,7 @@ def statically_contiguous(t: Any) -> bool:
 
 
 def storage_of(t: Any) -> int | None:
-    if isinstance(t, torch.Tensor) and torch._C._has_storage(t):
+    if isinstance(t, torch.Tensor) and has_storage(t):
         return t.untyped_storage()._cdata
     return None
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .._torch.ops import OpOverload, auto_functionalized, mutable_args
 from . import noop as _noop
 from .base import PassContext, PiecewisePass
 from .noop import storage_of, node_value, scatter_writes_back_own_view
@@ -75,7 +76,7 @@ def reinplace_custom_ops(graph: torch.fx.Graph) -> int:
     again until nothing changes: when two ops mutate slices of one buffer, the write-back of the
     first feeds the second, and only once the second writes in place does the graph's epilogue
     copy back a value the first can be proven to produce in place."""
-    hop = torch.ops.higher_order.auto_functionalized
+    hop = auto_functionalized()
     count = 0
     pending = list(graph.find_nodes(op="call_function", target=hop))
     while pending:
@@ -111,12 +112,10 @@ class _Plan:
 
 
 def _plan(graph: torch.fx.Graph, af: torch.fx.Node) -> _Plan | None:
-    from torch._higher_order_ops.auto_functionalize import get_mutable_args
-
     op = af.args[0]
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         return None
-    names, _ = get_mutable_args(op)
+    names, _ = mutable_args(op)
     outs = af.meta.get("val")
     if not names or not isinstance(outs, (tuple, list)):
         return None
@@ -225,7 +224,7 @@ def _is_view(node: torch.fx.Node) -> bool:
     if target is operator.getitem:
         parent = node.args[0]
         return isinstance(parent, torch.fx.Node) and _is_view(parent)
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         args = target._schema.arguments
         return bool(args) and args[0].alias_info is not None and not args[0].alias_info.is_write
     return False
