@@ -9,6 +9,7 @@ the same instance is a recompile: it is counted and raised, never silently accep
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -581,15 +582,45 @@ def size_refusal(shape_env: Any, fake_inputs: Sequence[Any], input_names: Sequen
         CompileError: a guard that some sizes fail reads the size of an input the graph does not
             take (forward read only its shape), so no call could be checked against it.
     """
-    import itertools
+    dims = _size_symbols(shape_env, fake_inputs, input_names)
+    grid = _SizeGrid(lo, max_num_tokens, getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", {}))
+    kept, notes, warn = _refusing_guards(shape_env, _size_guards(shape_env, dims, grid, origins), dims, grid)
+    for own, expr in dims.ties:
+        if not expr.free_symbols <= dims.getters.keys():
+            continue
+        kept.append(_tie_guard(own, expr))
+        notes.append(f"the trace took {dims.names[own]} == {dims.show(expr)} (inputs must keep the sizes' relation of the first call)")
+    if not kept:
+        return None
+    syms = sorted({v for e in kept for v in e.free_symbols}, key=str)
+    return SizeRefusal(dims=tuple((*dims.getters[v], dims.names[v]) for v in syms), symbols=tuple(syms), guards=tuple(kept),
+                       notes=tuple(notes), warning="; ".join(warn))
 
+
+@dataclasses.dataclass
+class _SizeSymbols:
+    """Which graph input dim each size symbol of the trace is read from, and the input dims the trace
+    tied to others (`_size_symbols`)."""
+
+    getters: dict[Any, tuple[int, int | None]]  # symbol -> (graph input, dim or None for a SymInt)
+    names: dict[Any, str]  # symbol -> how the user knows it (``x.shape[0]``)
+    ties: list[tuple[Any, Any]]  # (symbol made for an input dim, the expression the trace gave it)
+
+    def show(self, expr: Any) -> Any:
+        """`expr` with its symbols written as the input dims they are."""
+        import sympy
+
+        return expr.xreplace({v: sympy.Symbol(self.names[v]) for v in expr.free_symbols})
+
+
+def _size_symbols(shape_env: Any, fake_inputs: Sequence[Any], input_names: Sequence[str]) -> _SizeSymbols:
+    """Each dynamic size of the graph inputs: a symbol read from the first tensor dim (else SymInt)
+    that has it, named for the user; a dim whose size is another's (or an expression of others)
+    gets a symbol of its own, tied to that expression."""
     import sympy
 
-    hi = max_num_tokens
-    getters: dict[Any, tuple[int, int | None]] = {}  # symbol -> (graph input, dim or None for a SymInt)
-    names: dict[Any, str] = {}
+    out = _SizeSymbols({}, {}, [])
     tensor_dim_of: set[Any] = set()  # symbols already read from a tensor's dim
-    ties: list[tuple[Any, Any]] = []  # (symbol made for an input dim, the expression the trace gave it)
     for i, x in enumerate(fake_inputs):
         dims = [(None, x)] if isinstance(x, torch.SymInt) else (
             list(enumerate(x.shape)) if isinstance(x, torch.Tensor) else [])
@@ -598,22 +629,46 @@ def size_refusal(shape_env: Any, fake_inputs: Sequence[Any], input_names: Sequen
                 continue
             expr = size.node.expr
             where = input_names[i] if d is None else f"{input_names[i]}.shape[{d}]"
-            if isinstance(expr, sympy.Symbol) and (expr not in getters or (d is not None and expr not in tensor_dim_of)):
-                getters.setdefault(expr, (i, d))
-                if d is not None or expr not in names:  # named by the first tensor dim that has it
-                    names[expr] = where if d is not None else _dim_name(shape_env, expr, where)
+            if isinstance(expr, sympy.Symbol) and (expr not in out.getters or (d is not None and expr not in tensor_dim_of)):
+                out.getters.setdefault(expr, (i, d))
+                if d is not None or expr not in out.names:  # named by the first tensor dim that has it
+                    out.names[expr] = where if d is not None else _dim_name(shape_env, expr, where)
             elif d is not None:  # this dim's size is another dim's (or an expression of them): check it
                 own = sympy.Symbol(f"pw_dim_{i}_{d}", integer=True, nonnegative=True)
-                getters[own], names[own] = (i, d), where
-                ties.append((own, expr))
+                out.getters[own], out.names[own] = (i, d), where
+                out.ties.append((own, expr))
             if d is not None and isinstance(expr, sympy.Symbol):
                 tensor_dim_of.add(expr)
-    ranges = getattr(shape_env, "var_to_range", {})
-    hints = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", {})
+    return out
 
-    def probes(sym: Any) -> list[int]:
-        pick = {lo, lo + 1, lo + 2, 3, 4, 5, 7, 8, 16, hi // 2, hi - 1, hi, int(hints.get(sym, lo))}
+
+@dataclasses.dataclass(frozen=True)
+class _SizeGrid:
+    """The sizes a guard is evaluated at: every size in ``[lo, hi]`` for a guard on one size, a grid
+    of `probes` for a guard on several (both ends, the small sizes, the traced one, a middle one)."""
+
+    lo: int
+    hi: int
+    hints: Mapping[Any, Any]  # symbol -> the size the trace saw
+
+    def probes(self, sym: Any) -> list[int]:
+        lo, hi = self.lo, self.hi
+        pick = {lo, lo + 1, lo + 2, 3, 4, 5, 7, 8, 16, hi // 2, hi - 1, hi, int(self.hints.get(sym, lo))}
         return sorted(n for n in pick if lo <= n <= hi)
+
+    def points(self, order: list[Any]) -> Any:
+        import itertools
+
+        return ([(n,) for n in range(self.lo, self.hi + 1)] if len(order) == 1
+                else itertools.islice(itertools.product(*(self.probes(v) for v in order)), 50000))
+
+
+def _size_guards(shape_env: Any, dims: _SizeSymbols, grid: _SizeGrid,
+                 origins: Mapping[int, str] | None) -> list[tuple[Any, str]]:
+    """(guard expression, where the trace took it) for every guard the shape env recorded, then the
+    ranges Dynamo inferred for the input sizes (after the guards: a range they already explain is
+    not repeated, see `_refusing_guards`)."""
+    import sympy
 
     candidates: list[tuple[Any, str]] = []
     for g in getattr(shape_env, "guards", ()):
@@ -622,64 +677,88 @@ def size_refusal(shape_env: Any, fake_inputs: Sequence[Any], input_names: Sequen
         if at.startswith("(") and origins and id(g) in origins:  # only torch's frame: a piece's compile added it
             at = f"{origins[id(g)]} {at}"
         candidates.append((g.expr, at))
-    for sym in list(getters):  # after the guards: a range they already explain is not repeated
+    ranges = getattr(shape_env, "var_to_range", {})
+    for sym in list(dims.getters):
         vr = ranges.get(sym)
         if vr is not None:
-            vlo, vhi = _bound(vr.lower, lo), _bound(vr.upper, hi)
-            if vlo > lo:
-                candidates.append((sympy.Ge(sym, vlo), "the range Dynamo inferred"))
-            if vhi < hi:
-                candidates.append((sympy.Le(sym, vhi), "the range Dynamo inferred"))
+            vlo, vhi = _bound(vr.lower, grid.lo), _bound(vr.upper, grid.hi)
+            if vlo > grid.lo:
+                candidates.append((sympy.Ge(sym, vlo), _INFERRED_RANGE))
+            if vhi < grid.hi:
+                candidates.append((sympy.Le(sym, vhi), _INFERRED_RANGE))
+    return candidates
+
+
+_INFERRED_RANGE = "the range Dynamo inferred"
+
+
+def _refusing_guards(shape_env: Any, candidates: list[tuple[Any, str]], dims: _SizeSymbols,
+                     grid: _SizeGrid) -> tuple[list[Any], list[str], list[str]]:
+    """The guards of `candidates` some size fails (kept, to be checked on each call), with a note
+    each saying which sizes the trace is right for (also the warning's parts).
+
+    Raises:
+        CompileError: see `size_refusal` (`_check_readable`).
+    """
     refused: dict[Any, set[int]] = {}  # per symbol, the sizes its own guards refuse
     kept: list[Any] = []
     notes: list[str] = []
     warn: list[str] = []
     replace = getattr(shape_env, "replace", lambda e: e)  # a symbol the trace equated with another: that one
+    lo, hi = grid.lo, grid.hi
     for expr, at in candidates:
         expr = replace(expr)
         syms = expr.free_symbols
         if not syms:
             continue
-        if not syms <= getters.keys():
-            missing = [v for v in syms if v not in getters and v in hints]
-            if missing and _fails_somewhere(expr, sorted(syms, key=str), lambda v: probes(v) if v in hints else [], lo, hi):
-                shown = expr.xreplace({v: sympy.Symbol(names.get(v) or _dim_name(shape_env, v, str(v))) for v in syms})
-                raise CompileError(
-                    f"the traced code depends on {', '.join(_dim_name(shape_env, v, str(v)) for v in missing)} ({shown} at "
-                    f"{at}), the size of an input the graph does not take (forward reads only its shape), so guard-free "
-                    "dispatch could not check it on later calls. Pass the size as an int argument, or make forward "
-                    "independent of it")
+        if not syms <= dims.getters.keys():
+            _check_readable(shape_env, expr, at, dims, grid)
             continue  # symbols of no input (unbacked): a trace with those refuses at trace time
         order = sorted(syms, key=str)
-        grid: Any = ([(n,) for n in range(lo, hi + 1)] if len(order) == 1
-                     else itertools.islice(itertools.product(*(probes(v) for v in order)), 50000))
-        failed = _failing_points(expr, order, grid)
+        failed = _failing_points(expr, order, grid.points(order))
         if not failed:
             continue
-        shown = expr.xreplace({v: sympy.Symbol(names[v]) for v in order})
-        note = f"the trace took {shown} at {at}"
+        note = f"the trace took {dims.show(expr)} at {at}"
         if len(order) == 1:
             bad = {p[0] for p in failed}
-            if at == "the range Dynamo inferred" and bad <= refused.get(order[0], set()):
+            if at == _INFERRED_RANGE and bad <= refused.get(order[0], set()):
                 continue
             refused.setdefault(order[0], set()).update(bad)
             ok = [n for n in range(lo, hi + 1) if n not in bad]
             span = f"{ok[0]}..{ok[-1]}" if ok and ok[-1] - ok[0] + 1 == len(ok) else f"in {len(ok)} of the sizes"
-            note += f", so it is right only for {names[order[0]]} {span} (of {lo}..{hi})"
+            note += f", so it is right only for {dims.names[order[0]]} {span} (of {lo}..{hi})"
         kept.append(expr)
         notes.append(note)
         warn.append(note)
-    for own, expr in ties:
-        if not expr.free_symbols <= getters.keys():
-            continue
-        kept.append(sympy.Eq(own, expr))
-        shown = expr.xreplace({v: sympy.Symbol(names[v]) for v in expr.free_symbols})
-        notes.append(f"the trace took {names[own]} == {shown} (inputs must keep the sizes' relation of the first call)")
-    if not kept:
-        return None
-    syms = sorted({v for e in kept for v in e.free_symbols}, key=str)
-    return SizeRefusal(dims=tuple((*getters[v], names[v]) for v in syms), symbols=tuple(syms), guards=tuple(kept),
-                       notes=tuple(notes), warning="; ".join(warn))
+    return kept, notes, warn
+
+
+def _check_readable(shape_env: Any, expr: Any, at: str, dims: _SizeSymbols, grid: _SizeGrid) -> None:
+    """A guard on sizes of no graph input: fine unless some size fails it and one of those sizes is
+    an input's the graph does not take (forward read only its shape).
+
+    Raises:
+        CompileError: that case, naming the size, the guard and the remedy.
+    """
+    import sympy
+
+    syms = expr.free_symbols
+    hints = grid.hints
+    missing = [v for v in syms if v not in dims.getters and v in hints]
+    if missing and _fails_somewhere(expr, sorted(syms, key=str), lambda v: grid.probes(v) if v in hints else [], grid.lo, grid.hi):
+        shown = expr.xreplace({v: sympy.Symbol(dims.names.get(v) or _dim_name(shape_env, v, str(v))) for v in syms})
+        raise CompileError(
+            f"the traced code depends on {', '.join(_dim_name(shape_env, v, str(v)) for v in missing)} ({shown} at "
+            f"{at}), the size of an input the graph does not take (forward reads only its shape), so guard-free "
+            "dispatch could not check it on later calls. Pass the size as an int argument, or make forward "
+            "independent of it")
+
+
+def _tie_guard(own: Any, expr: Any) -> Any:
+    """The guard that input dim `own` keeps the size `expr` the trace gave it."""
+    import sympy
+
+    return sympy.Eq(own, expr)
 
 
 def _failing_points(expr: Any, order: list[Any], grid: Any) -> list[tuple[int, ...]]:
