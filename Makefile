@@ -31,7 +31,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# Triton 3.9.0 (the reference decoder's one-kernel attention on CUDA, piecewise.models.triton_attention),
+# Triton 3.9.0 (the reference decoder's one-kernel attention on CUDA, piecewise.serving.triton_attention),
 # for the tests that run that kernel under Triton's CPU interpreter (TRITON_INTERPRET=1) in a
 # subprocess with this folder on PYTHONPATH. Kept off the venv's path: with triton importable,
 # torch's CPU processes would import it (about 1.7 s a process) for nothing.

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
 
     # the floor
-    model, _ = __import__("piecewise.models.weights", fromlist=["load_smollm2"]).load_smollm2(root)
+    model, _ = __import__("piecewise.hf.gguf", fromlist=["load_smollm2"]).load_smollm2(root)
     wbytes = weight_bytes(model)
     del model
     bw = {n: bandwidth_gbs(n) for n in threads}

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from piecewise.models import hf_generate
+from piecewise.hf import generate as hf_generate
 
 torch.set_grad_enabled(False)
 torch.set_num_threads(1)

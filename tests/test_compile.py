@@ -5,7 +5,7 @@ import torch
 
 import piecewise as pw
 from piecewise import CompilationConfig, counters
-from piecewise.models.toy import ToyTransformer, TwoSplitModel
+from piecewise.testing.toy import ToyTransformer, TwoSplitModel
 
 
 def _cfg(**kw):
@@ -161,7 +161,7 @@ def test_an_in_place_write_whose_result_is_unused_is_kept(backend):
     """A whole ``x.size()`` is rewritten per dim before the split; the clean-up after it once ran
     FX's dead-code pass, which counts an unused in-place method call as dead and dropped the
     writes: the buffer stayed zero while the output looked right."""
-    import piecewise.models.toy  # noqa: F401  registers toy_attention
+    import piecewise.testing.toy  # noqa: F401  registers toy_attention
 
     ref, model = InPlaceWriteModel(), InPlaceWriteModel()
     cm = pw.compile(model, _cfg(backend=backend, splitting_ops=["piecewise_models::toy_attention"]),
@@ -512,7 +512,7 @@ def test_an_op_failing_during_the_trace_is_a_typed_compile_error():
     """An op that fails on the trace's fake tensors (a shape mismatch, or what only fails at the
     trace's symbolic sizes) raised Dynamo's TorchRuntimeError, not a piecewise error. It is a
     CompileError and, like eager's error, a RuntimeError."""
-    import piecewise.models.toy  # noqa: F401  registers toy_attention
+    import piecewise.testing.toy  # noqa: F401  registers toy_attention
 
     cm = pw.compile(_FailsOnItsSizes(), _cfg(), dynamic_arg_dims={"x": 0})
     with pytest.raises(pw.TraceError, match=r"tracing _FailsOnItsSizes.forward failed on its fake tensors .*matmul.*same reduction dim"):

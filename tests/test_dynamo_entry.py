@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import piecewise as pw
-import piecewise.models.toy  # noqa: F401  registers piecewise_models::toy_attention
+import piecewise.testing.toy  # noqa: F401  registers piecewise_models::toy_attention
 from piecewise.counters import counters
 
 

@@ -9,7 +9,7 @@ import torch
 import piecewise as pw
 from piecewise import CompilationConfig, counters
 
-import piecewise.models.toy  # noqa: F401  registers the op
+import piecewise.testing.toy  # noqa: F401  registers the op
 
 ATTN = torch.ops.piecewise_models.toy_attention
 

@@ -29,6 +29,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("trace",),
     ("warmstart",),
     ("api",),
+    ("serving",),  # the serving engine: reference decoder, batching loop, Triton attention, tensor parallelism
+    ("hf",),  # the transformers integration (its chat turn drives the serving engine's decoder too)
+    ("testing",),  # fixtures for tests and benchmarks (toy models, fake graph platform, Redis server)
     ("models", "bench", "demo", "cli", "__main__", ""),  # "" is the package root (lazy re-exports)
 ]
 

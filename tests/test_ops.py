@@ -3,7 +3,7 @@ import torch
 
 import piecewise as pw
 from piecewise.ops import normalize_op_name, registered_splitting_ops
-from piecewise.models.toy import toy_attention
+from piecewise.testing.toy import toy_attention
 
 
 @pytest.mark.parametrize(

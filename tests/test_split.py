@@ -6,7 +6,7 @@ import torch.fx
 from piecewise.ops import splitting_op
 from piecewise.split import decompose_size_calls, split_graph, written_inputs
 
-import piecewise.models.toy  # noqa: F401  registers piecewise_models::toy_attention
+import piecewise.testing.toy  # noqa: F401  registers piecewise_models::toy_attention
 
 ATTN = "piecewise_models::toy_attention"
 

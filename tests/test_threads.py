@@ -256,7 +256,7 @@ def test_the_busy_host_table_gives_each_systems_busy_over_quiet_and_over_eager()
 
 def test_piecewise_generate_runs_at_the_policys_count(fresh, monkeypatch, capsys):
     from piecewise.cli import main
-    from piecewise.models import chat
+    from piecewise.hf import chat
 
     seen = []
     monkeypatch.setattr(chat, "answer", lambda prompt, **kw: seen.append(torch.get_num_threads())
@@ -272,7 +272,7 @@ def test_piecewise_generate_runs_at_the_policys_count(fresh, monkeypatch, capsys
 
 def test_piecewise_generate_refuses_a_bad_thread_count_in_one_line(fresh, monkeypatch, capsys):
     from piecewise.cli import main
-    from piecewise.models import chat
+    from piecewise.hf import chat
 
     monkeypatch.setattr(chat, "answer", lambda prompt, **kw: pytest.fail("generated despite a bad PIECEWISE_NUM_THREADS"))
     monkeypatch.setenv(ENV_VAR, "lots")

@@ -89,7 +89,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .models.chat import PromptTooLongError, answer, check_arguments, print_stream
+    from .hf.chat import PromptTooLongError, answer, check_arguments, print_stream
 
     prompt = _text_arg(args.prompt)
     kw = dict(engine=args.engine, max_new_tokens=args.max_new_tokens, backend=args.backend, max_model_len=args.max_model_len)

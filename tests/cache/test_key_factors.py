@@ -11,7 +11,7 @@ from cachehelp import run_worker
 SOURCE = textwrap.dedent(
     """
     import torch
-    import piecewise.models.toy  # noqa: F401
+    import piecewise.testing.toy  # noqa: F401
 
     class Model(torch.nn.Module):
         dim = 8
@@ -178,7 +178,7 @@ def test_a_restart_with_one_changed_field_logs_only_that_field(tmp_path, caplog)
 
     import piecewise as pw
     from piecewise.cache import tools
-    from piecewise.models.toy import TwoSplitModel
+    from piecewise.testing.toy import TwoSplitModel
 
     root = str(tmp_path / "r")
     x = torch.randn(3, 8)

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from cachehelp import run_worker
-from piecewise.bench.redis_server import RedisServer
+from piecewise.testing.redis_server import RedisServer
 from piecewise.cache.remote import key_id
 
 KEY = "0123456789abcdef" * 2
@@ -66,7 +66,7 @@ def _run(root, url, key=KEY, **env):
     import piecewise as pw
     from piecewise.cache import remote, store
     from piecewise.counters import counters
-    from piecewise.models.toy import TwoSplitModel
+    from piecewise.testing.toy import TwoSplitModel
     from piecewise.tags import scoped_tags
 
     values = {"PIECEWISE_CACHE_DIR": str(root), **_env(url, key, env)}
@@ -204,7 +204,7 @@ def test_a_short_signing_key_is_a_config_error_at_the_first_call(redis, server, 
     import piecewise as pw
     from piecewise.cache import remote
     from piecewise.errors import ConfigError
-    from piecewise.models.toy import TwoSplitModel
+    from piecewise.testing.toy import TwoSplitModel
 
     monkeypatch.setenv("PIECEWISE_CACHE_KEY", "fleet-secret")
     monkeypatch.setenv("PIECEWISE_REMOTE_CACHE", server.url)

@@ -135,7 +135,7 @@ def test_show_by_tag_and_clear_leaves_no_empty_dirs(tmp_path, capsys):
 # -- explain: a traced source file shows its hash prefix and path --------------------------------------
 MODEL = '''
 import torch
-import piecewise.models.toy  # noqa: F401
+import piecewise.testing.toy  # noqa: F401
 
 class Model(torch.nn.Module):
     dim = 8

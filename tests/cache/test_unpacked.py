@@ -14,7 +14,7 @@ from piecewise import CompilationConfig, counters
 from piecewise.cache import tools
 from piecewise.cache.store import read_index
 from piecewise.cli import main
-from piecewise.models.toy import TwoSplitModel
+from piecewise.testing.toy import TwoSplitModel
 
 from cachehelp import CodeAdaptor
 

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 import cachehelp  # noqa: E402,F401  registers the "code" adaptor
 import piecewise as pw  # noqa: E402
-from piecewise.models.toy import ToyTransformer, TwoSplitModel  # noqa: E402
+from piecewise.testing.toy import ToyTransformer, TwoSplitModel  # noqa: E402
 
 
 def build(kind: str, source: str | None, kwargs: dict):

@@ -8,7 +8,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import piecewise as pw
 from piecewise import CompilationConfig, counters
-from piecewise.models.toy import ToyTransformer, TwoSplitModel
+from piecewise.testing.toy import ToyTransformer, TwoSplitModel
 
 
 class SymIntRecorder(CustomGraphPass):

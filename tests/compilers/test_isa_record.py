@@ -130,7 +130,7 @@ import json, sys
 import torch
 from torch._inductor import cpu_vec_isa
 import piecewise as pw
-from piecewise.models.toy import ToyTransformer
+from piecewise.testing.toy import ToyTransformer
 
 builds = []
 orig = cpu_vec_isa.VecISA.check_build
@@ -177,7 +177,7 @@ import torch._inductor
 from torch._inductor import cpu_vec_isa
 import piecewise as pw
 from piecewise.compilers import isa_record as I
-from piecewise.models.toy import ToyTransformer
+from piecewise.testing.toy import ToyTransformer
 
 # a compiler that builds no vector ISA: its probe answers none, and a kernel build with one fails
 cpu_vec_isa.VecISA.check_build = lambda self, code: False
@@ -264,7 +264,7 @@ def test_the_cpu_vector_isa_is_in_the_cache_key(monkeypatch, tmp_path):
 
     import piecewise as pw
     from piecewise.compilers.inductor import InductorAdaptor
-    from piecewise.models.toy import ToyTransformer
+    from piecewise.testing.toy import ToyTransformer
 
     cm = pw.compile(ToyTransformer(1, dim=8), pw.CompilationConfig(backend="inductor", cache_dir=str(tmp_path)),
                     dynamic_arg_dims={"x": 0})

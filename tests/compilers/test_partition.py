@@ -13,7 +13,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import piecewise as pw
 from piecewise import CompilationConfig, counters
 from piecewise.compilers.partition import PartitionedCallable, partition_scope
-from piecewise.models.toy import ToyTransformer
+from piecewise.testing.toy import ToyTransformer
 
 PARTITION = dict(backend="inductor", split_strategy="inductor_partition")
 
@@ -149,7 +149,7 @@ def test_inductor_settings_are_restored_after_a_compile_and_after_a_failure():
 
 
 def test_reference_decoder_tokens_equal_eager_and_a_second_process_loads_the_one_artifact(tmp_path):
-    from piecewise.models import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
+    from piecewise.serving import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
 
     cfg = LlamaConfig(num_layers=2)
     trace = default_trace(cfg.vocab_size)

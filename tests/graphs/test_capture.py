@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import piecewise as pw
-from fakeplatform import fake_cpu_platform
+from piecewise.testing.graph_platform import fake_cpu_platform
 from piecewise import CompilationConfig, counters
 from piecewise.graphs import Phase, batch_hint
-from piecewise.models.toy import ToyTransformer, TwoSplitModel
+from piecewise.testing.toy import ToyTransformer, TwoSplitModel
 
 
 @pytest.fixture(params=["fx", "inductor_partition"])
@@ -620,7 +620,7 @@ def test_reference_decoder_decode_under_graphs_equals_eager(mode, strategy, monk
     uniform, so they replay full graphs and steps with a prefill in them replay pieces; before,
     it declared nothing and every step ran piecewise."""
     from piecewise.graphs import dispatch
-    from piecewise.models import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
+    from piecewise.serving import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
 
     seen = []  # (runtime mode, real tokens, uniform) of each real call the dispatcher ran
     enter = dispatch.enter_forward
@@ -745,7 +745,7 @@ def test_transformers_generate_replays_decode_graphs_and_equals_eager(tmp_path):
     one step was padded along its batch to sizes above the cache's slots and failed at its first
     call. Tokens equal eager greedy for every batch (left padding included); one trace per phase;
     the attention op writes an output buffer, so no graph copies an input before a replay."""
-    from piecewise.models import hf
+    from piecewise.hf import attention as hf
 
     hf.register_hf_attention()
     model = hf.tiny_llama(num_layers=2)
@@ -778,7 +778,7 @@ def test_a_decode_step_with_graphs_that_took_the_batch_size_serves_other_batches
     the general step without graphs, with the eager tokens and no recompile."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from piecewise.models import hf
+    from piecewise.hf import attention as hf
 
     hf.register_hf_attention()
     cfg = dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=512, pad_token_id=0, bos_token_id=1,
@@ -809,7 +809,7 @@ def test_transformers_generate_replays_full_decode_graphs(mode, tmp_path, caplog
     the op read the last write position per layer, every full capture failed, each size was
     dropped with a warning and decode ran without graphs. ``None``: the default mode ("auto"),
     under which the decode step is one full graph per size (before: pieces)."""
-    from piecewise.models import hf
+    from piecewise.hf import attention as hf
 
     hf.register_hf_attention()
     model = hf.tiny_llama(num_layers=2)
@@ -841,7 +841,7 @@ def test_a_stale_non_finite_cache_value_past_the_prompt_does_not_reach_the_full_
     position and masks the ones past a row's length with -inf. An infinite key or value left there
     (what an earlier generation's overflow leaves) made the row NaN (0 * inf) until a generation
     starts clearing its rows past the prompt; pieces never read past the length."""
-    from piecewise.models import hf
+    from piecewise.hf import attention as hf
 
     hf.register_hf_attention()
     model = hf.tiny_llama(num_layers=2)
@@ -884,7 +884,7 @@ def test_auto_captures_the_decode_step_piecewise_when_the_model_calls_a_splittin
     is the only splitting op in the model's graph: another one (here the user's, in every MLP) need
     not be safe inside a graph (one reading ``forward_context().num_tokens`` on the host would
     replay its capture's count), so the step is captured in pieces, logged."""
-    from piecewise.models import hf
+    from piecewise.hf import attention as hf
 
     hf.register_hf_attention()
     model = hf.tiny_llama(num_layers=2)

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import piecewise as pw
-from fakeplatform import fake_cpu_platform
+from piecewise.testing.graph_platform import fake_cpu_platform
 from piecewise import CompilationConfig, counters
 from piecewise.piece import LayoutPhase
 

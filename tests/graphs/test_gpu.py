@@ -11,7 +11,7 @@ import torch
 import piecewise as pw
 from piecewise import CompilationConfig, counters
 from piecewise.graphs import batch_hint
-from piecewise.models.toy import ToyTransformer
+from piecewise.testing.toy import ToyTransformer
 
 pytestmark = pytest.mark.gpu
 
@@ -86,8 +86,8 @@ def test_triton_attention_equals_sdpa_on_cuda(dtype):
     """The reference decoder's one-kernel attention (what its op runs on CUDA with Triton) against
     the SDPA path, on a mixed batch of decode tokens and prefills, and under a device-side count.
     CUDA builds of torch ship Triton: a CUDA machine without it fails here rather than skipping."""
-    from piecewise.models.llama import _gathered_attention
-    from piecewise.models.triton_attention import cached_attention
+    from piecewise.serving.llama import _gathered_attention
+    from piecewise.serving.triton_attention import cached_attention
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     slots, length, kv, heads, dim = 6, 300, 2, 8, 64

@@ -4,7 +4,7 @@ same code path the GPU run takes, with numbers that mean nothing here."""
 import pytest
 import torch
 
-from fakeplatform import fake_cpu_platform
+from piecewise.testing.graph_platform import fake_cpu_platform
 from piecewise import counters
 from piecewise.bench import overhead
 

@@ -6,8 +6,8 @@ import torch
 
 import piecewise as pw
 from piecewise import CompilationConfig, counters
-from piecewise.models import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
-from piecewise.models import hf
+from piecewise.serving import LlamaConfig, LlamaForCausalLM, default_trace, greedy_decode
+from piecewise.hf import attention as hf
 
 LLAMA_DIMS = {"input_ids": 0, "positions": 0, "seq_ids": 0}
 

@@ -8,7 +8,8 @@ import torch
 import piecewise as pw
 from piecewise import CompilationConfig, counters
 from piecewise.errors import CompileError, ConfigError, InputError, SizeRefusedError
-from piecewise.models import LlamaConfig, LlamaForCausalLM, hf
+from piecewise.serving import LlamaConfig, LlamaForCausalLM
+from piecewise.hf import attention as hf
 from piecewise.tags import scoped_tags
 
 MODES = ["backed_size_oblivious", "backed", "unbacked"]

@@ -11,8 +11,8 @@ import torch
 
 import piecewise as pw
 from piecewise import CompilationConfig, ConfigError, InputError, counters
-from piecewise.models.decode import greedy_decode, make_prompts
-from piecewise.models.llama import LlamaForCausalLM
+from piecewise.serving.decode import greedy_decode, make_prompts
+from piecewise.serving.llama import LlamaForCausalLM
 
 import transformers  # noqa: E402  (pinned in requirements: a missing install fails, never skips)
 
@@ -194,7 +194,7 @@ def _no_compile_work():
 
 
 def test_from_hf_refuses_other_architectures_naming_them():
-    from piecewise.models import hf as pw_hf
+    from piecewise.hf import attention as pw_hf
 
     bert = pw_hf.tiny_bert(attn_implementation="sdpa")
     gpt2 = transformers.AutoModelForCausalLM.from_config(
@@ -248,7 +248,7 @@ def test_engine_refuses_a_request_longer_than_the_cache_before_compiling():
 
 
 def test_config_refuses_unknown_rope_type_and_bad_variant_fields():
-    from piecewise.models.llama import LlamaConfig
+    from piecewise.serving.llama import LlamaConfig
 
     with pytest.raises(ConfigError, match="LlamaConfig.rope_type='yarn' is not supported"):
         LlamaConfig(rope_type="yarn")
@@ -328,7 +328,7 @@ def test_a_model_built_under_inference_mode_decodes_outside_it():
 def test_a_model_cast_after_it_was_built_rotates_and_normalises_as_transformers_does():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from piecewise.models.llama import RMSNorm, _rope_scaling, apply_rotary, rotary_cos_sin, rotary_inv_freq
+    from piecewise.serving.llama import RMSNorm, _rope_scaling, apply_rotary, rotary_cos_sin, rotary_inv_freq
 
     hf = tiny_hf("llama3-rope").to(torch.bfloat16)  # .to() rounds the rotary frequency buffer too
     model = LlamaForCausalLM.from_hf(hf, max_num_seqs=2, max_seq_len=64)

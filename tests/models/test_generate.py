@@ -12,7 +12,7 @@ import torch
 
 import piecewise as pw
 from piecewise import CompilationConfig, counters
-from piecewise.models import hf
+from piecewise.hf import attention as hf
 
 from conftest import MIN_GREEDY_MARGIN, greedy_reference
 from conftest import forward_assigned as _forward_assigned
@@ -207,7 +207,7 @@ def test_the_cached_attention_equals_the_math_with_a_bool_an_additive_or_no_mask
     builds, and no mask (what a `GenerationRoute` asks for when no row is padded): a decode step (1
     new token, 9 cached) and a whole prompt from position 0 (6 tokens, plain causal) equal softmax
     attention written out, and the cache holds the new keys and values at their positions only."""
-    from piecewise.models.hf_generate import (StepAttention, _step_attention, attention_mask_for_step, hf_cached_attention,
+    from piecewise.hf.generate import (StepAttention, _step_attention, attention_mask_for_step, hf_cached_attention,
                                               write_kv_cache)
 
     g = torch.Generator().manual_seed(5)
@@ -248,7 +248,7 @@ def test_the_cached_attention_equals_the_math_with_a_bool_an_additive_or_no_mask
 def test_steps_attend_without_the_mask_only_when_no_row_is_padded(monkeypatch):
     """A batch with no padding: every step (the prompt, plain causal, and each decode token) drops
     the mask; a left-padded batch keeps it on every step. Tokens equal eager both ways."""
-    from piecewise.models import hf_generate
+    from piecewise.hf import generate as hf_generate
 
     unmasked = []
     real = hf_generate.StepAttention
@@ -439,7 +439,7 @@ def test_smollm2_chat_answer_streams_and_equals_eager_for_both_engines(session_d
     the answer. Shares the weight cache dir with tests/models/test_weights.py."""
     import os
 
-    from piecewise.models import chat, weights
+    from piecewise.hf import chat, gguf as weights
 
     loaded = weights.load_smollm2(os.path.join(session_dir, "weights-cache"))
     question = "What is the capital of France?"
@@ -460,7 +460,7 @@ def test_smollm2_chat_answer_streams_and_equals_eager_for_both_engines(session_d
 
 
 def test_chat_summary_says_what_the_first_token_included():
-    from piecewise.models.chat import describe_start
+    from piecewise.hf.chat import describe_start
 
     assert describe_start({"dynamo_traces": 1, "pieces_compiled": 31}, True) == "1 trace(s), 31 pieces compiled included"
     assert describe_start({"dynamo_traces": 1, "pieces_compiled": 31, "cache_loads": 2}, True) == (
@@ -835,8 +835,8 @@ def test_a_model_without_a_findable_embedding_still_generates(monkeypatch):
 
 
 def test_the_engine_refuses_token_ids_outside_the_vocabulary():
-    from piecewise.models import LlamaConfig as DecoderConfig
-    from piecewise.models import greedy_decode
+    from piecewise.serving import LlamaConfig as DecoderConfig
+    from piecewise.serving import greedy_decode
 
     config = DecoderConfig(vocab_size=256)
     with pytest.raises(pw.InputError, match=r"prompt 1 holds token id 256, outside the vocabulary 0..255 "
@@ -958,7 +958,7 @@ def test_a_cache_object_reset_and_reused_across_generate_calls_starts_a_new_sequ
                 assert torch.equal(got, _eager("llama", ids, mask, max_new_tokens=4)), (type(cache).__name__, path, n)
         # the class's reset behind one hook (it used to nest one wrapper a reuse, RecursionError after
         # about a thousand), and a deep copy resets itself, not the cache it was copied from
-        from piecewise.models.hf_generate import _CacheReset
+        from piecewise.hf.generate import _CacheReset
 
         assert isinstance(cache.reset, _CacheReset) and cache.reset.cache() is cache
         assert copy.deepcopy(cache).reset.cache() is not cache

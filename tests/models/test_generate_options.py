@@ -12,8 +12,8 @@ import torch
 
 import piecewise as pw
 from piecewise import CompilationConfig, counters
-from piecewise.models import hf
-from piecewise.models.hf_generate import GENERATE_OPTIONS
+from piecewise.hf import attention as hf
+from piecewise.hf.generate import GENERATE_OPTIONS
 
 from conftest import greedy_reference as _eager
 from conftest import forward_assigned as _forward_assigned

@@ -12,7 +12,7 @@ import torch
 
 import piecewise as pw
 from piecewise import CompilationConfig, counters
-from piecewise.models import hf
+from piecewise.hf import attention as hf
 
 from conftest import greedy_reference as _eager
 from conftest import left_padded_prompts as _prompts

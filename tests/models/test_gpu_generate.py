@@ -14,9 +14,9 @@ import torch
 
 import piecewise as pw
 from piecewise import CompilationConfig, counters
-from piecewise.models import hf as pw_hf
-from piecewise.models.decode import greedy_decode
-from piecewise.models.llama import LlamaForCausalLM
+from piecewise.hf import attention as pw_hf
+from piecewise.serving.decode import greedy_decode
+from piecewise.serving.llama import LlamaForCausalLM
 from test_from_hf import _requests, tiny_hf
 
 pytestmark = pytest.mark.gpu

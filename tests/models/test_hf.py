@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import transformers  # noqa: F401,E402  (installed by make; a missing install must fail, not skip)
 
 from piecewise.errors import ConfigError  # noqa: E402
-from piecewise.models import hf  # noqa: E402
+from piecewise.hf import attention as hf  # noqa: E402
 from piecewise.ops import registered_splitting_ops  # noqa: E402
 
 ATTN = torch.ops.piecewise_models.hf_attention.default

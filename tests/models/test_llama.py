@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from piecewise.forward_context import ForwardContext, set_forward_context
-from piecewise.models.decode import default_trace, greedy_decode, make_prompts
-from piecewise.models.llama import LLAMA_ATTENTION_OP, LlamaConfig, LlamaForCausalLM, llama_attention
+from piecewise.serving.decode import default_trace, greedy_decode, make_prompts
+from piecewise.serving.llama import LLAMA_ATTENTION_OP, LlamaConfig, LlamaForCausalLM, llama_attention
 from piecewise.ops import registered_splitting_ops
 
 ATTN = torch.ops.piecewise_models.llama_attention.default
@@ -128,7 +128,7 @@ def test_a_cpu_step_writes_its_kv_cache_in_the_compiled_piece_and_a_padded_step_
     import piecewise as pw
     from piecewise.counters import counters
     from piecewise.graphs.platform import register_platform
-    from piecewise.models import llama
+    from piecewise.serving import llama
 
     assert llama.kv_written_in_piece("cpu") and not llama.kv_written_in_piece("cuda")
     with register_platform("cpu", lambda: None):
@@ -250,7 +250,7 @@ def test_cpu_attention_paths_equal_the_gathered_attention(order):
     slots: by sequence), a decode batch (fewer tokens than slots: rows gathered up to the longest
     sequence only), one token (a batch-1 decode step: strided views, no mask), and one token at
     position 0. The op must write exactly this step's cache rows."""
-    from piecewise.models.llama import _gathered_attention
+    from piecewise.serving.llama import _gathered_attention
 
     g = torch.Generator().manual_seed(3)
     slots, length, kv, heads, dim = 5, 24, 2, 6, 16

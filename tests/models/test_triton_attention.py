@@ -52,7 +52,7 @@ def test_reference_decoder_on_the_kernel_decodes_the_sdpa_tokens(checks):
 
 def test_attention_impl_is_validated(monkeypatch):
     from piecewise.errors import ConfigError
-    from piecewise.models import llama
+    from piecewise.serving import llama
 
     monkeypatch.setattr(llama, "_attention_impl", None)
     monkeypatch.setenv("PIECEWISE_LLAMA_ATTENTION", "flash")

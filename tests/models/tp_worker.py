@@ -1,7 +1,7 @@
 """One rank of the tensor-parallel checks (run by torchrun from test_tensor_parallel.py).
 
 Builds the reference decoder with full weights, shards a second copy for this rank
-(`piecewise.models.tensor_parallel.shard_llama`), compiles the shard with piecewise and compares
+(`piecewise.serving.tensor_parallel.shard_llama`), compiles the shard with piecewise and compares
 it, for each token count given, with the full single-process model in eager mode, on fresh data
 each call (the same on every rank). Writes ``<out>/rank_<r>.json``.
 """
@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import piecewise as pw
 from piecewise.errors import ConfigError
-from piecewise.models import LlamaConfig, LlamaForCausalLM
-from piecewise.models.tensor_parallel import shard_llama
+from piecewise.serving import LlamaConfig, LlamaForCausalLM
+from piecewise.serving.tensor_parallel import shard_llama
 
 
 def main() -> None:

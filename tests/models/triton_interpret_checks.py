@@ -29,9 +29,9 @@ def mixed_batch(slots, length, kv, heads, dim, dtype, seed):
 
 
 def main() -> int:
-    from piecewise.models import llama
-    from piecewise.models.llama import LlamaConfig, LlamaForCausalLM, _gathered_attention
-    from piecewise.models.triton_attention import cached_attention
+    from piecewise.serving import llama
+    from piecewise.serving.llama import LlamaConfig, LlamaForCausalLM, _gathered_attention
+    from piecewise.serving.triton_attention import cached_attention
 
     # 1. the kernel against the SDPA gather path: fp32 and fp16, GQA groups 1 and 3, a head dim
     #    that is a power of two and one that is not (the kernel masks the rest of its block)

@@ -130,7 +130,7 @@ class RotaryModel(torch.nn.Module):
 
 
 def _compile_and_get_code(reinplace: bool):
-    import piecewise.models.toy  # noqa: F401  (registers the toy_attention splitting op)
+    import piecewise.testing.toy  # noqa: F401  (registers the toy_attention splitting op)
     from torch._inductor.utils import run_and_get_code
 
     model = RotaryModel()

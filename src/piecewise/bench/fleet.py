@@ -69,7 +69,7 @@ def _result(p: subprocess.Popen) -> dict[str, Any]:
 
 
 def run(procs: int = 8, rounds: int = 5, layers: int = 4, log=print) -> dict[str, Any]:
-    from .redis_server import RedisServer
+    from ..testing.redis_server import RedisServer
 
     tmp = tempfile.mkdtemp(prefix="piecewise-fleet-")
     try:

@@ -88,7 +88,7 @@ def _load(weights_root: str, device: str, dtype: Any = None) -> tuple[Any, Any]:
                                                      attn_implementation="sdpa")
         return model.eval(), AutoTokenizer.from_pretrained(weights_root, local_files_only=True)
     if device == "cpu":
-        from ..models.weights import load_smollm2
+        from ..hf.gguf import load_smollm2
 
         return load_smollm2(weights_root, dtype=dtype or torch.float32)
     return smollm2_shaped(device, dtype), None
@@ -97,7 +97,7 @@ def _load(weights_root: str, device: str, dtype: Any = None) -> tuple[Any, Any]:
 def _prompts(tokenizer: Any, batch: int, seed: int, prompt_len: int = PROMPT_LEN) -> list[list[int]]:
     """`batch` prompts of exactly PROMPT_LEN tokens: chat-templated questions, cut or repeated (with
     no tokenizer: random token ids from `seed`, below 32000)."""
-    from ..models.weights import chat_prompt_ids
+    from ..hf.gguf import chat_prompt_ids
 
     if tokenizer is None:
         import torch
@@ -129,8 +129,8 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     if system == "pw_engine":
         import piecewise as pw
-        from ..models.decode import greedy_decode
-        from ..models.llama import LlamaForCausalLM
+        from ..serving.decode import greedy_decode
+        from ..serving.llama import LlamaForCausalLM
 
         decoder = LlamaForCausalLM.from_hf(model, max_num_seqs=batch, max_seq_len=prompt_len + new_tokens)
         # as a serving engine runs: the backbone compiled, the vocabulary projection for sampled rows only
@@ -176,7 +176,7 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
         recompiles = lambda: max(0, graphs[0] - 1)  # noqa: E731
     elif system == "pw_generate":
         import piecewise as pw
-        from ..models import hf
+        from ..hf import attention as hf
 
         hf.register_hf_attention()
         model.set_attn_implementation("piecewise")

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU decode benchmark needs one")
         return 1
-    from piecewise.models import LlamaConfig, LlamaForCausalLM, llama
+    from piecewise.serving import LlamaConfig, LlamaForCausalLM, llama
 
     llama._attention_impl = a.attention
 

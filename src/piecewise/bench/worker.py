@@ -30,7 +30,7 @@ import torch
 
 
 def _model(layers: int):
-    from piecewise.models import LlamaConfig, LlamaForCausalLM
+    from piecewise.serving import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(num_layers=layers, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
                       head_dim=32, max_num_seqs=64, max_seq_len=64)
@@ -104,7 +104,7 @@ def dispatch_overhead(layers: int = 16, calls: int = 3000) -> dict:
     width 4 at one token, eager vs piecewise with eager pieces, calls interleaved (A, B, A, B...)
     so machine noise hits both alike; medians of per-call times."""
     import piecewise as pw
-    from piecewise.models.toy import ToyTransformer
+    from piecewise.testing.toy import ToyTransformer
 
     model = ToyTransformer(num_layers=layers, dim=4)
     cm = pw.compile(model, pw.CompilationConfig(backend="eager", max_num_tokens=8, tag="bench_dispatch"),
@@ -155,7 +155,7 @@ def replay_overhead(layers: int = 16, calls: int = 3000) -> dict:
     import piecewise as pw
     from piecewise.forward_context import BatchDescriptor, ForwardContext, RuntimeMode, enter_forward, exit_forward
     from piecewise.graphs.platform import GraphPlatform, register_platform
-    from piecewise.models.toy import ToyTransformer
+    from piecewise.testing.toy import ToyTransformer
 
     class _NullGraph:
         def replay(self) -> None:

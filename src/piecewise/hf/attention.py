@@ -135,7 +135,7 @@ def piecewise_attention_forward(
             raise ConfigError(f"piecewise attention does not support {name!r} ({type(module).__name__}); use "
                               "attn_implementation='sdpa'")
     if kwargs.get("pw_k_caches") is not None:  # inside a generation step: the piecewise-owned KV cache
-        from .hf_generate import cached_attention_forward
+        from .generate import cached_attention_forward
 
         if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
             raise ConfigError(f"{type(module).__name__} attends bidirectionally (is_causal=False: an encoder built without "
@@ -167,7 +167,7 @@ def register_hf_attention(name: str = "piecewise") -> str:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from ..api import register_route
-    from .hf_generate import generation_route
+    from .generate import generation_route
 
     AttentionInterface.register(name, piecewise_attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)

