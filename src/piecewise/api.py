@@ -66,7 +66,7 @@ _UNSET = object()  # not recorded yet
 #: call routes, tried in order when a model is compiled: ``factory(module, config, tag)`` returns a
 #: callable ``route(args, kwargs)`` for modules it serves (else None); the route returns
 #: ``NotImplemented`` for a call it leaves to the model's own compiled forward. The transformers
-#: generation route (`piecewise.models.hf_generate`) registers itself this way, so this layer
+#: generation route (`piecewise.hf.generate`) registers itself this way, so this layer
 #: imports nothing from the models above it.
 _ROUTES: Registry[Callable[..., Any]] = Registry("call route")
 
@@ -299,7 +299,7 @@ class CompiledModel:
         ``custom_generate``, ...) are served as the model's own generate() serves them; those
         piecewise's generation KV cache cannot serve (``assistant_model``, ``prompt_lookup_num_tokens``,
         ``prefill_chunk_size``, ``guidance_scale`` with the cache on) are refused by name (see
-        `piecewise.models.hf_generate.GENERATE_OPTIONS`).
+        `piecewise.hf.generate.GENERATE_OPTIONS`).
 
         In mode ``"none"`` this is the model's own ``generate`` (nothing compiled, no piecewise cache).
 
@@ -328,7 +328,7 @@ class CompiledModel:
                     "CompilationConfig(mode='none')")
             raise ConfigError(
                 f"[{self.tag}] compiled generate() needs a transformers causal LM built with attn_implementation='piecewise' "
-                "(call piecewise.models.hf.register_hf_attention() first), so its attention reaches the KV cache piecewise "
+                "(call piecewise.hf.attention.register_hf_attention() first), so its attention reaches the KV cache piecewise "
                 f"owns; {name} uses {impl!r}")
         with self.generation_lock(self.module):
             kwargs = self._route.check_generate(args, kwargs)
@@ -343,7 +343,7 @@ class CompiledModel:
     def generation_lock(module: torch.nn.Module) -> Any:
         """The re-entrant lock (`threading.RLock`) that owns `module`'s instance ``forward`` for a
         generation: `generate` holds it while it sets ``module.forward`` and calls transformers'
-        generate(), and a generation step (`piecewise.models.hf_generate`) while it takes that
+        generate(), and a generation step (`piecewise.hf.generate`) while it takes that
         attribute off the module for its run. One lock per module, shared by every compiled model
         of it, held weakly (it goes with the module). Re-entrant, so a generate() nested in another
         on the same thread (a streamer's) takes it again.

@@ -161,7 +161,7 @@ class CompilationConfig:
             exist; then such calls raise `SizeRefusedError`. 1 refuses every size the first trace
             does not hold for. Not in the cache key.
         max_num_seqs: sequences (rows) the KV cache of transformers ``generate()`` holds: the
-            largest batch one ``generate()`` call takes (`piecewise.models.hf_generate`).
+            largest batch one ``generate()`` call takes (`piecewise.hf.generate`).
         max_model_len: positions per sequence in that KV cache (prompt plus generated tokens),
             capped by the model's ``max_position_embeddings``. The cache is allocated on the first
             ``generate()`` call: ``2 x layers x max_num_seqs x kv_heads x max_model_len x head_dim``
