@@ -41,16 +41,11 @@ import abc
 import builtins
 import dataclasses
 import dis
-import enum
 import functools
 import hashlib
 import inspect
-import io
-import json
 import logging
 import os
-import pathlib
-import re
 import textwrap
 import types
 from collections.abc import Callable, Mapping
@@ -59,7 +54,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
-from ..fingerprint import code_digest, data_digest
+from .._torch.ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+from ..fingerprint import UNHANDLED, Indescribable, code_digest, data_digest, describe
 from ..errors import ConfigError
 
 log = logging.getLogger("piecewise")
@@ -363,86 +359,30 @@ def stable_digest(data: Any) -> str:
     return data_digest(data, strict=True)
 
 
-class _Unstable(Exception):
-    def __init__(self, where: str, what: str) -> None:
-        super().__init__(where)
-        self.where, self.what = where, what
-        # set when the value is (inside) a module-level value read by a function's code
-        self.global_name: str | None = None
-        self.reader: str | None = None
+#: a value with no deterministic description (`piecewise.fingerprint.Indescribable`)
+_Unstable = Indescribable
 
 
 def _stable(v: Any, where: str, seen: frozenset[int] = frozenset()) -> Any:
-    """Plain JSON data that identifies `v` across processes, or `_Unstable`.
+    """Plain JSON data that identifies `v` across processes (`piecewise.fingerprint.describe`, with
+    what only passes describe: torch ops, passes, user classes and functions by their source), or
+    `_Unstable`."""
+    return describe(v, where, extend=_describe_pass_value, seen=seen)
 
-    Canonical: sets, and mappings, are sorted by the canonical JSON of their (keys') descriptions,
-    so neither insertion order nor ``PYTHONHASHSEED`` changes the result."""
-    if v is None or isinstance(v, (bool, int, str)):
-        return v
-    if isinstance(v, float):
-        return {"float": repr(v)}
-    if isinstance(v, complex):
-        return {"complex": repr(v)}
-    if isinstance(v, (bytes, bytearray)):
-        return {"bytes": hashlib.sha256(bytes(v)).hexdigest()}
-    if isinstance(v, enum.Enum):
-        return {"enum": f"{type(v).__module__}.{type(v).__qualname__}.{v.name}"}
-    if isinstance(v, range):
-        return {"range": [v.start, v.stop, v.step]}
-    if isinstance(v, re.Pattern):
-        return {"regex": _stable(v.pattern, where, seen), "flags": v.flags}
-    if isinstance(v, pathlib.PurePath):
-        return {"path": str(v)}
-    if isinstance(v, (logging.Logger, logging.LoggerAdapter)):  # output only: never changes a graph
-        return {"logger": getattr(v, "name", None) or getattr(getattr(v, "logger", None), "name", None)}
-    if isinstance(v, io.IOBase):  # sys.stderr and the like: output only
-        return {"stream": f"{type(v).__module__}.{type(v).__qualname__}"}
-    if isinstance(v, (tuple, list, set, frozenset, Mapping)) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
-        if id(v) in seen:
-            raise _Unstable(where, f"a {type(v).__qualname__} that contains itself")
-        seen = seen | {id(v)}
-    if isinstance(v, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
-        return {"torch": str(v)}
-    if isinstance(v, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+
+def _describe_pass_value(v: Any, where: str, seen: frozenset[int]) -> Any:
+    """`describe`'s ``extend`` hook for pass options and what a pass's code reads."""
+    if isinstance(v, (OpOverload, OpOverloadPacket, HigherOrderOperator)):
         return {"op": str(v)}
-    if isinstance(getattr(v, "_opoverload", None), torch._ops.OpOverload):  # torch.library CustomOpDef
+    if isinstance(getattr(v, "_opoverload", None), OpOverload):  # torch.library CustomOpDef
         return {"op": str(v._opoverload)}
-    if isinstance(v, (tuple, list)):
-        if hasattr(v, "_fields") and type(v).__module__ not in ("builtins", "torch"):  # a namedtuple
-            return {"namedtuple": f"{type(v).__module__}.{type(v).__qualname__}",
-                    "fields": {f: _stable(x, f"{where}.{f}", seen) for f, x in zip(v._fields, v)}}
-        return {type(v).__name__: [_stable(x, f"{where}[{i}]", seen) for i, x in enumerate(v)]}
-    if isinstance(v, (set, frozenset)):
-        items = [_stable(x, f"{where}{{}}", seen) for x in v]
-        return {"set": sorted(items, key=lambda x: json.dumps(x, sort_keys=True))}
-    if isinstance(v, Mapping):
-        items = [(_stable(k, f"{where} key", seen), _stable(x, f"{where}[{k!r}]", seen)) for k, x in v.items()]
-        return {"map": sorted(items, key=lambda kv: json.dumps(kv[0], sort_keys=True))}
     if isinstance(v, PiecewisePass):
         return {"pass": v.uuid()}
     if isinstance(v, type):
         return _class_fingerprint(v)
-    if isinstance(v, types.ModuleType):
-        return {"module": getattr(v, "__name__", type(v).__qualname__)}
     if isinstance(v, (types.FunctionType, functools.partial)):
         return {"function": _describe_function(v, where, seen)}
-    if isinstance(v, (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
-                      types.MethodDescriptorType, types.ClassMethodDescriptorType)):
-        return {"builtin": f"{getattr(v, '__module__', None)}.{v.__qualname__}"}
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        fields = {f.name: _stable(getattr(v, f.name), f"{where}.{f.name}", seen) for f in dataclasses.fields(v)}
-        return {"dataclass": f"{type(v).__module__}.{type(v).__qualname__}", "fields": fields}
-    members = getattr(type(v), "__members__", None)  # a pybind11 enum (torch.Tag, ...)
-    if isinstance(members, Mapping) and isinstance(getattr(v, "name", None), str) and members.get(v.name) is v:
-        return {"enum": f"{type(v).__module__}.{type(v).__qualname__}.{v.name}"}
-    if callable(v) and hasattr(v, "__wrapped__"):  # functools.lru_cache and other wrappers of a function
-        try:
-            inner = inspect.unwrap(v)
-        except ValueError:
-            inner = v
-        if isinstance(inner, types.FunctionType):
-            return {"wrapper": f"{type(v).__module__}.{type(v).__qualname__}", "wrapped": _stable(inner, where, seen)}
-    raise _Unstable(where, f"a {type(v).__module__}.{type(v).__qualname__}")
+    return UNHANDLED
 
 
 def _class_fingerprint(cls: type) -> Any:
