@@ -30,9 +30,9 @@ def fx_forward(gm: torch.fx.GraphModule):
 
     Lazy graph modules generate code on first call through ``Module.__call__``, and graph modules
     unpickled from a bundle have none yet; generate it now so the bound method is the real one."""
-    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from ._torch.fx import force_recompile
 
-    _LazyGraphModule.force_recompile(gm)
+    force_recompile(gm)
     if "forward" not in type(gm).__dict__:  # unpickled without code (warm-start bundles generate it on use)
         gm.recompile()
     return gm.forward
@@ -90,7 +90,7 @@ def shadowed_torch_functions(gm: torch.fx.GraphModule) -> list[str]:
     patch, which Dynamo traced through, recording the original inside ``f``) the pieces ran ``f``
     again where the trace had the original, and generated tokens differed from eager's, with the
     eager and the Inductor adaptor alike."""
-    from torch.fx.node import _get_qualified_name
+    from ._torch.fx import qualified_name
 
     out = []
     for node in gm.graph.nodes:
@@ -101,7 +101,7 @@ def shadowed_torch_functions(gm: torch.fx.GraphModule) -> list[str]:
         if module != "torch" and not module.startswith("torch."):  # not torchaudio, torch_foo
             continue
         try:
-            name = _get_qualified_name(target)
+            name = qualified_name(target)
             live: object = torch
             for part in name.split(".")[1:]:
                 live = getattr(live, part)

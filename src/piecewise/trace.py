@@ -98,8 +98,7 @@ class Trace:
             ValueError: the guards could not be serialised (`why_not_saved`).
             RuntimeError, pickle.PicklingError: a runtime global cannot be pickled.
         """
-        from torch._dynamo.aot_compile import AOTCompilePickler
-        from torch._dynamo.package import SerializedCode
+        from ._torch.dynamo import AOTCompilePickler, SerializedCode
 
         if self.guards_state is None:
             raise ValueError(self.why_not_saved or "guards were not serialised")
@@ -136,8 +135,7 @@ def rebuild(data: bytes, compiled_fn: Callable[..., Any] | None, forward: types.
         Exception: anything unpickling raises (a bundle from another torch build, a module that no
             longer imports); callers fall back to tracing.
     """
-    from torch._dynamo.aot_compile import AOTCompileUnpickler
-    from torch._dynamo.package import SerializedCode, load_guard_manager, load_guards_state
+    from ._torch.dynamo import AOTCompileUnpickler, SerializedCode, load_guard_manager, load_guards_state
 
     state = AOTCompileUnpickler({}, io.BytesIO(data)).load()
     env = dataclasses.replace(state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode),
@@ -211,9 +209,9 @@ def changed_globals(cap: Trace, forward: types.FunctionType) -> list[str]:
 def _closure_vars() -> dict[str, Any]:
     """The helper names Dynamo's source names may call (``___odict_getitem`` and kin)."""
     try:
-        from torch._dynamo.guards import _get_closure_vars
+        from ._torch.dynamo import guard_closure_vars
 
-        return dict(_get_closure_vars())
+        return dict(guard_closure_vars())
     except Exception as e:  # another torch: sources of the plain kinds need none
         log.debug("Dynamo's guard closure helpers are not available here (%s: %s)", type(e).__name__, e)
         return {}
@@ -458,116 +456,166 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[
         torch._dynamo.exc.UserError, ConstraintViolationError: dynamic-dim marking conflicts.
         Whatever `backend` raises.
     """
-    from torch._dynamo import convert_frame
-    from torch._dynamo.guards import CheckFunctionManager
-    from torch._dynamo.hooks import Hooks
-    from torch._dynamo.utils import dynamo_timed, get_metrics_context
-    from torch._dynamo.variables.torch_function import torch_function_mode_stack_state_mgr
-    from torch._guards import TracingContext
+    from ._torch.dynamo import dynamo_timed, get_metrics_context, torch_function_mode_stack_state_mgr
 
     fn = type(module).forward
     with get_metrics_context(), dynamo_timed("piecewise_trace"), torch_function_mode_stack_state_mgr:
-        # The class's forward bound to the module, not ``module.forward``: that may be the compiled
-        # model itself (``model.forward = piecewise.compile(model)``, the usual torch.compile idiom).
-        out = convert_frame.fullgraph_capture(types.MethodType(fn, module), args, kwargs)
-        gco = out.graph_capture_output
-        bi = out.backend_input
-        if bi is None:
-            raise torch._dynamo.exc.Unsupported("forward produced no graph (no tensor operations)")
-        _record_sources(bi.graph_module, bi.example_inputs, gco.output_graph.tracked_fakes_id_to_source)
-        ctx = TracingContext(bi.fake_mode)
-        ctx.tensor_to_context = bi.tensor_to_context
-        ctx.traced_code = list(gco.traced_code)
-        with torch._guards.tracing(ctx):
-            compiled = backend(bi.graph_module, bi.example_inputs)
-
-        unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
-        # guards on what forward closes over (a decorator's wrapped function): a warm start uses the
-        # live closure, whose code the source hashes cover
-        closure_sources = tuple(p for v in fn.__code__.co_freevars for p in (f"{v}.", f"{v}[", f"L['{v}']")) + tuple(fn.__code__.co_freevars)
-
-        # what each saved guard on a global compares, as traced: a warm start compares it with the
-        # live value itself (`changed_globals`), with or without Dynamo's own global guards saved
-        global_values: dict[str, Any] = {}
-        unrecorded: list[str] = []
-        read: list[frozenset[str] | None] = []  # the plain module attributes the trace read (`_read_attributes`)
-
-        def serialisable(entries, with_globals=True):
-            if not read:
-                try:
-                    read.append(_read_attributes(entries, fn))
-                except Exception as e:  # a guard named in a way not foreseen: every attribute counts
-                    log.debug("the attributes the trace read are not known (%s: %s)", type(e).__name__, e)
-                    read.append(None)
-            keep = [not (g.guard_type in unsupported or any(t in unsupported for t in g.derived_guard_types)
-                         or _fingerprinted(g, module) or (closure_sources and g.name.startswith(closure_sources))
-                         or (g.is_global and g.guard_type not in _GLOBAL_VALUE_GUARDS))
-                    for g in entries]
-            for g, k in zip(entries, keep):
-                if (not k and g.is_global and g.guard_type in _GLOBAL_IDENTITY_GUARDS and g.has_value
-                        and not g.orig_guard.name.startswith(_OWN_STATE)
-                        and "hooks[" not in g.orig_guard.name  # keyed by handle ids; recorded as which hooks
-                        and not g.orig_guard.name.startswith("G['__builtins")):  # Python's builtins
-                    # which function, class or builtin a global names (``ACT = gelu`` or ``silu``,
-                    # chosen at import): Dynamo's identity guard is not saved, so record it by name
-                    try:
-                        global_values[f"{g.guard_type} {g.orig_guard.name}"] = _recorded(g.guard_type, g.value)
-                    except Unrecordable:
-                        pass  # another object: not recorded, as before (source hashes and the fingerprint stand in)
-                if k and g.is_global and not g.orig_guard.name.startswith(_OWN_STATE):
-                    name = g.orig_guard.name
-                    try:
-                        if not g.has_value:
-                            raise Unrecordable("no value")
-                        global_values[f"{g.guard_type} {name}"] = _recorded(g.guard_type, g.value)
-                    except Exception as e:
-                        unrecorded.append(f"{name} ({g.guard_type}: {e})")
-            return [k and not (g.is_global and not with_globals) for g, k in zip(entries, keep)]
-
-        guards_state: bytes | None = None
-        why = ""
-        manager = None
-        # Guards on the values of globals first; a global whose guard drags an unpicklable object
-        # along (a custom op's namespace) costs those guards, not the bundle: retry without them.
-        # Dicts whose key order Dynamo relies on (a ModuleList's ``_modules``): the fingerprint
-        # records module names in order, so the saved guards need not reach into the module.
-        og = gco.output_graph
-        key_order = og.guard_on_key_order
-        for with_globals in (True, False):
-            try:
-                og.guard_on_key_order = {s for s in key_order if not _fingerprint_covers(s.name, module)}
-                try:
-                    check = _build_guards(gco, fn.__code__, hooks=Hooks(guard_filter_fn=lambda e: serialisable(e, with_globals)),
-                                             save=True, strict_error=True)
-                finally:
-                    og.guard_on_key_order = key_order
-                guards_state, manager = check.guards_state, check.guard_manager
-                if not with_globals:
-                    log.info("Dynamo's guards on global values could not be saved (%s); the bundle compares the recorded "
-                             "values itself", why)
-                break
-            except Exception as e:  # a guard PyTorch cannot serialise: run fine, just no warm bundle
-                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if unrecorded and guards_state is not None:
-            guards_state, why = None, f"the guarded value of global {unrecorded[0]} cannot be recorded for a warm start"
+        gco, bi, compiled = _capture(module, fn, args, kwargs, backend)
+        kept = _SavedGuardFilter(module, fn)
+        guards_state, manager, why = _saved_guards(gco, module, fn, kept)
+        if kept.unrecorded and guards_state is not None:
+            guards_state, why = None, f"the guarded value of global {kept.unrecorded[0]} cannot be recorded for a warm start"
         if full_guards or manager is None:
             manager = _build_guards(gco, fn.__code__).guard_manager
-        object_guards = None
-        if object_args:
-            roots = set(object_args)
-            object_guards = _build_guards(gco, 
-                fn.__code__, hooks=Hooks(guard_filter_fn=lambda es: [_guard_root(g.name) in roots for g in es])).guard_manager
+        object_guards = _object_guards(gco, fn, object_args)
     # What of the module's plain attributes this trace read: `state.describe` compares those (an
     # assignment to one moves the epoch, `state.watch`), not attributes no forward reads.
-    note_read(module, read[0] if read else None)
+    note_read(module, kept.read)
+    return Trace(_runtime_env(gco), bi.backend_id, compiled, fn.__code__, manager, guards_state, list(gco.traced_code), why,
+                   object_guards, global_values=kept.global_values)
+
+
+def _capture(module: torch.nn.Module, fn: types.FunctionType, args: tuple, kwargs: dict,
+             backend: Callable[..., Any]) -> tuple[Any, Any, Any]:
+    """Dynamo's full-graph capture of `fn` bound to `module`, and `backend` run on its graph inside
+    a tracing context that lists the traced code objects: ``(graph capture output, backend input,
+    what the backend returned)``.
+
+    Raises:
+        torch._dynamo.exc.Unsupported: a graph break, or a forward with no tensor operations.
+    """
+    from ._torch.dynamo import Unsupported, convert_frame
+    from ._torch.fx import TracingContext, tracing
+
+    # The class's forward bound to the module, not ``module.forward``: that may be the compiled
+    # model itself (``model.forward = piecewise.compile(model)``, the usual torch.compile idiom).
+    out = convert_frame.fullgraph_capture(types.MethodType(fn, module), args, kwargs)
+    gco = out.graph_capture_output
+    bi = out.backend_input
+    if bi is None:
+        raise Unsupported("forward produced no graph (no tensor operations)")
+    _record_sources(bi.graph_module, bi.example_inputs, gco.output_graph.tracked_fakes_id_to_source)
+    ctx = TracingContext(bi.fake_mode)
+    ctx.tensor_to_context = bi.tensor_to_context
+    ctx.traced_code = list(gco.traced_code)
+    with tracing(ctx):
+        compiled = backend(bi.graph_module, bi.example_inputs)
+    return gco, bi, compiled
+
+
+class _SavedGuardFilter:
+    """Dynamo's guard filter for the saved guards (`_saved_guards`): keeps the guards PyTorch can
+    serialise that neither the module fingerprint (`_fingerprinted`) nor the source hashes (what
+    ``forward`` closes over, identities of globals) stand in for. On the way it records what each
+    guard on a global compares, as traced (`global_values`; a warm start compares it with the live
+    value itself, `changed_globals`, with or without Dynamo's own global guards saved), the globals
+    whose value cannot be recorded (`unrecorded`), and the plain module attributes the trace read
+    (`read`, `_read_attributes`; None: not known)."""
+
+    def __init__(self, module: torch.nn.Module, fn: types.FunctionType) -> None:
+        from ._torch.dynamo import CheckFunctionManager
+
+        self.module, self.fn = module, fn
+        self.unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+        # guards on what forward closes over (a decorator's wrapped function): a warm start uses the
+        # live closure, whose code the source hashes cover
+        freevars = fn.__code__.co_freevars
+        self.closure_sources = tuple(p for v in freevars for p in (f"{v}.", f"{v}[", f"L['{v}']")) + tuple(freevars)
+        self.global_values: dict[str, Any] = {}
+        self.unrecorded: list[str] = []
+        self.read: frozenset[str] | None = None
+        self._read_known = False
+
+    def __call__(self, entries: Any, with_globals: bool = True) -> list[bool]:
+        if not self._read_known:
+            self._read_known = True
+            try:
+                self.read = _read_attributes(entries, self.fn)
+            except Exception as e:  # a guard named in a way not foreseen: every attribute counts
+                log.debug("the attributes the trace read are not known (%s: %s)", type(e).__name__, e)
+        keep = [not (g.guard_type in self.unsupported or any(t in self.unsupported for t in g.derived_guard_types)
+                     or _fingerprinted(g, self.module) or (self.closure_sources and g.name.startswith(self.closure_sources))
+                     or (g.is_global and g.guard_type not in _GLOBAL_VALUE_GUARDS))
+                for g in entries]
+        for g, k in zip(entries, keep):
+            self._record_global(g, k)
+        return [k and not (g.is_global and not with_globals) for g, k in zip(entries, keep)]
+
+    def _record_global(self, g: Any, kept: bool) -> None:
+        """Record what guard `g` on a global compares (`global_values`), if it is one."""
+        if (not kept and g.is_global and g.guard_type in _GLOBAL_IDENTITY_GUARDS and g.has_value
+                and not g.orig_guard.name.startswith(_OWN_STATE)
+                and "hooks[" not in g.orig_guard.name  # keyed by handle ids; recorded as which hooks
+                and not g.orig_guard.name.startswith("G['__builtins")):  # Python's builtins
+            # which function, class or builtin a global names (``ACT = gelu`` or ``silu``,
+            # chosen at import): Dynamo's identity guard is not saved, so record it by name
+            try:
+                self.global_values[f"{g.guard_type} {g.orig_guard.name}"] = _recorded(g.guard_type, g.value)
+            except Unrecordable:
+                pass  # another object: not recorded, as before (source hashes and the fingerprint stand in)
+        if kept and g.is_global and not g.orig_guard.name.startswith(_OWN_STATE):
+            name = g.orig_guard.name
+            try:
+                if not g.has_value:
+                    raise Unrecordable("no value")
+                self.global_values[f"{g.guard_type} {name}"] = _recorded(g.guard_type, g.value)
+            except Exception as e:
+                self.unrecorded.append(f"{name} ({g.guard_type}: {e})")
+
+
+def _saved_guards(gco: Any, module: torch.nn.Module, fn: types.FunctionType,
+                  keep: _SavedGuardFilter) -> tuple[bytes | None, Any, str]:
+    """The guards a bundle saves, built through `keep`: ``(serialised guards or None, their guard
+    manager or None, why they could not be serialised)``.
+
+    Guards on the values of globals first; a global whose guard drags an unpicklable object along
+    (a custom op's namespace) costs those guards, not the bundle: retry without them. Dicts whose
+    key order Dynamo relies on (a ModuleList's ``_modules``): the fingerprint records module names
+    in order, so the saved guards need not reach into the module."""
+    from ._torch.dynamo import Hooks
+
+    guards_state: bytes | None = None
+    why = ""
+    manager = None
+    og = gco.output_graph
+    key_order = og.guard_on_key_order
+    for with_globals in (True, False):
+        try:
+            og.guard_on_key_order = {s for s in key_order if not _fingerprint_covers(s.name, module)}
+            try:
+                check = _build_guards(gco, fn.__code__, hooks=Hooks(guard_filter_fn=lambda e: keep(e, with_globals)),
+                                      save=True, strict_error=True)
+            finally:
+                og.guard_on_key_order = key_order
+            guards_state, manager = check.guards_state, check.guard_manager
+            if not with_globals:
+                log.info("Dynamo's guards on global values could not be saved (%s); the bundle compares the recorded "
+                         "values itself", why)
+            break
+        except Exception as e:  # a guard PyTorch cannot serialise: run fine, just no warm bundle
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return guards_state, manager, why
+
+
+def _object_guards(gco: Any, fn: types.FunctionType, object_args: tuple[str, ...]) -> Any:
+    """A guard manager of the guards rooted at the arguments named in `object_args` (None: none)."""
+    from ._torch.dynamo import Hooks
+
+    if not object_args:
+        return None
+    roots = set(object_args)
+    return _build_guards(gco, fn.__code__,
+                         hooks=Hooks(guard_filter_fn=lambda es: [_guard_root(g.name) in roots for g in es])).guard_manager
+
+
+def _runtime_env(gco: Any) -> Any:
+    """Dynamo's runtime env of the transformed code, carrying the globals Dynamo installed for it
+    (``___module_collections_<id>_c0`` and kin): those live in the module's dict of this process only."""
     env = gco.get_runtime_env()
-    # Globals Dynamo installed for the transformed code (``___module_collections_<id>_c0`` and kin)
-    # live in the module's dict of this process only: carry them with the code.
     for name in env.external_refs:
         if name.startswith("___") and name not in env.used_globals and name not in env.import_sources and name in gco.f_globals:
             env.used_globals[name] = gco.f_globals[name]
-    return Trace(env, bi.backend_id, compiled, fn.__code__, manager, guards_state, list(gco.traced_code), why,
-                   object_guards, global_values=global_values)
+    return env
 
 
 def _self_roots(fn: types.FunctionType) -> tuple[str, ...]:

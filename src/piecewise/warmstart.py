@@ -303,7 +303,7 @@ def stale_sources(recorded: Mapping[str, str]) -> list[str]:
 
 
 def _graph_options():
-    from torch.fx._graph_pickler import Options
+    from ._torch.fx import GraphPicklerOptions as Options
 
     # Any op (custom splitting ops included); node metadata dropped: a warm start only runs the code.
     return Options(ops_filter=None, node_metadata_key_filter=lambda key: False)
@@ -317,7 +317,7 @@ def encode_bundle(split_module: torch.fx.GraphModule, piece_names: list[str], pl
     Raises:
         Exception: a graph cannot be pickled (an op or constant GraphPickler does not support).
     """
-    from torch.fx._graph_pickler import GraphPickler
+    from ._torch.fx import GraphPickler
 
     installed = {n: split_module.__dict__.pop(n) for n in piece_names if n in split_module.__dict__}
     # Compiled pieces of one fingerprint (a model's repeated layers) run the same artifact and differ
@@ -351,8 +351,8 @@ def decode_bundle(data: bytes) -> dict[str, Any]:
         ValueError: not a bundle of this format.
         Exception: anything unpickling raises (callers treat it as a damaged bundle).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx._graph_pickler import GraphPickler
+    from ._torch.subclasses import FakeTensorMode
+    from ._torch.fx import GraphPickler
 
     body = pickle.loads(data)
     if not isinstance(body, dict) or body.get("format") != BUNDLE_FORMAT:

@@ -203,7 +203,7 @@ def _plan(graph: torch.fx.Graph, af: torch.fx.Node) -> _Plan | None:
 
 def _disjoint(af: torch.fx.Node, mutated: Any) -> bool:
     """No two mutated arguments overlap, and no other argument of the op shares their storage."""
-    from torch._C._dynamo.guards import compute_overlapping_tensors
+    from .._torch.dynamo import compute_overlapping_tensors
 
     mutated = list(mutated)
     vals = [node_value(a) for a in mutated]
