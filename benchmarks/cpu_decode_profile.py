@@ -10,7 +10,9 @@ Everything in ONE process, so a shared host's load hits every system alike:
 * systems (SmolLM2-135M-Instruct, real weights, 128-token prompts; `piecewise.bench.generation`'s
   builders): ``hf_eager``, ``pw_generate``, ``pw_engine``, each in the variants asked for
   (``base``; ``freezing``: ``inductor_options={"freezing": True}``; ``dynamic_threads``:
-  ``{"cpp.dynamic_threads": True}``; ``bf16``: weights in bfloat16; ``bf16_freezing``), each on its
+  ``{"cpp.dynamic_threads": True}``; ``fp32_packed``: ``cpu_packed_linear=True``; ``bf16``: weights in
+  bfloat16 (linears packed for oneDNN, the default); ``bf16_unpacked``: ``cpu_packed_linear=False``;
+  ``bf16_freezing``), each on its
   own copy of the weights, built for the largest batch and serving every batch;
 * timing: ``--rounds`` rounds; in each, for every thread count and batch, every (system, variant)
   generates ``--steps`` + 1 tokens once, the order rotated each round; the decode step is
@@ -34,12 +36,15 @@ from typing import Any
 
 import torch
 
+#: variant -> (weight dtype, Inductor options, other CompilationConfig fields)
 VARIANTS = {
-    "base": (torch.float32, {}),
-    "freezing": (torch.float32, {"freezing": True}),
-    "dynamic_threads": (torch.float32, {"cpp.dynamic_threads": True}),
-    "bf16": (torch.bfloat16, {}),
-    "bf16_freezing": (torch.bfloat16, {"freezing": True}),
+    "base": (torch.float32, {}, {}),
+    "freezing": (torch.float32, {"freezing": True}, {}),
+    "dynamic_threads": (torch.float32, {"cpp.dynamic_threads": True}, {}),
+    "fp32_packed": (torch.float32, {}, {"cpu_packed_linear": True}),
+    "bf16": (torch.bfloat16, {}, {}),
+    "bf16_unpacked": (torch.bfloat16, {}, {"cpu_packed_linear": False}),
+    "bf16_freezing": (torch.bfloat16, {"freezing": True}, {}),
 }
 
 
@@ -70,12 +75,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def inductor_options(opts: dict[str, Any]):
-    """`piecewise.CompilationConfig` made with `opts` as its ``inductor_options`` while inside."""
+def inductor_options(opts: dict[str, Any], fields: dict[str, Any] | None = None):
+    """`piecewise.CompilationConfig` made with `opts` as its ``inductor_options`` (and `fields`)
+    while inside."""
     import piecewise as pw
 
     orig = pw.CompilationConfig
-    pw.CompilationConfig = lambda **kw: orig(**kw, inductor_options=dict(opts)) if opts else orig(**kw)
+    extra = {**({"inductor_options": dict(opts)} if opts else {}), **(fields or {})}
+    pw.CompilationConfig = lambda **kw: orig(**kw, **extra)
     try:
         yield
     finally:
@@ -128,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
 
     built: dict[tuple[str, str], Any] = {}
     for variant in variants:
-        dtype, opts = VARIANTS[variant]
+        dtype, opts, fields = VARIANTS[variant]
         for system in systems:
-            if system == "hf_eager" and opts:
+            if system == "hf_eager" and (opts or fields):
                 continue  # nothing compiled: one eager per dtype
             t = time.perf_counter()
             before = pw.counters.recompiles
             try:
-                with inductor_options(opts):
+                with inductor_options(opts, fields):
                     gen, rec = _build(system, max(batches), root, new_tokens=args.steps + 1, dtype=dtype)
                     with torch.no_grad():
                         for b in batches:

@@ -46,6 +46,7 @@ class _Tally:
     padding_refusals: int = 0  # graphs turned off: padding a call changed its real rows (graphs.dispatch)
     graph_replays: int = 0
     layout_mismatches: int = 0  # splitting ops returning other strides than their fake: outputs copied (piece.SplittingRunner)
+    weights_packed: int = 0  # linear weights packed for oneDNN (passes.packed_linear: first use, after an in-place write)
     eager_above_capture: int = 0  # calls above the largest capture size
     remote_pulls: int = 0  # entries copied from the remote tier into the local store
     remote_publishes: int = 0  # entries published to the remote tier

@@ -4,10 +4,11 @@ order, and what enters the cache key (uuids, never objects)."""
 import json
 
 import pytest
+import torch
 
 from piecewise import CompilationConfig, ConfigError
 from piecewise.compilers import get_adaptor
-from piecewise.passes import FunctionPass, NoOpElimination, PiecewisePass, ReinplaceCustomOps, pipeline
+from piecewise.passes import FunctionPass, NoOpElimination, PackedLinear, PiecewisePass, ReinplaceCustomOps, pipeline
 
 
 class Marker(PiecewisePass):
@@ -58,12 +59,17 @@ def test_switches_must_be_bools(field):
         CompilationConfig(**{field: "yes"})
 
 
-def test_pipeline_order_is_noop_then_user_passes_then_reinplace_and_switches_drop_builtins():
+def test_pipeline_order_is_noop_then_user_passes_then_packed_linear_then_reinplace_and_switches_drop_builtins():
+    from piecewise._torch.onednn import packable_dtypes
+
     a, b = Marker("a"), Marker("b")
     names = [type(p) for p in pipeline(CompilationConfig(passes=[a, b]))]
-    assert names == [NoOpElimination, Marker, Marker, ReinplaceCustomOps]
+    # the packed-linear pass runs where this CPU can pack bfloat16 weights (the default)
+    packed = [PackedLinear] if torch.bfloat16 in packable_dtypes() else []
+    assert names == [NoOpElimination, Marker, Marker, *packed, ReinplaceCustomOps]
     assert [p.tag for p in pipeline(CompilationConfig(passes=[a, b]))[1:3]] == ["a", "b"]
-    assert pipeline(CompilationConfig(noop_elimination=False, reinplace_custom_ops=False, passes=[a])) == (a,)
+    assert pipeline(CompilationConfig(noop_elimination=False, reinplace_custom_ops=False, cpu_packed_linear=False,
+                                      passes=[a])) == (a,)
 
 
 def test_passes_enter_the_key_once_through_the_compiler_hash_not_the_config_factors():

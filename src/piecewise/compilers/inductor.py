@@ -24,15 +24,15 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .._torch.inductor import size_oblivious_view_strides
+from .._torch.inductor import COMPILER_MODULES, RUNTIME_MODULES, CustomGraphPass, size_oblivious_view_strides
 from ..cache.key import storage_aliases
 from ..errors import CompileError
 from ..ops import resolve_splitting_ops
+from ..passes import packed_linear as _packed_linear  # noqa: F401 - registers the op loaded pieces call
 from . import isa_record
 from .base import CompiledPiece, CompilerAdaptor, CompileTarget
-from .inductor_runtime import light_inductor_runtime
+from .._torch.inductor_runtime import light_inductor_runtime
 from .partition import PartitionedCallable, PartitionMarker, partition_scope
 
 log = logging.getLogger("piecewise")
@@ -41,10 +41,9 @@ __all__ = ["InductorAdaptor"]
 
 #: what Inductor's generated wrapper modules and its runtime use (their first load pays for these;
 #: ``debug`` is read on every call and otherwise comes with the compiler's imports)
-_RUNTIME_MODULES = ("torch._inductor.async_compile", "torch._inductor.codegen.memory_planning",
-                    "torch._inductor.hooks", "torch._dynamo.testing", "torch._inductor.debug")
+_RUNTIME_MODULES = RUNTIME_MODULES
 #: what generated code and Inductor's cache-hit path import that `light_inductor_runtime` stands in for
-_COMPILER_MODULES = ("torch._inductor.select_algorithm", "torch._inductor.graph")
+_COMPILER_MODULES = COMPILER_MODULES
 
 
 class AliasingMarker(CustomGraphPass):
@@ -80,7 +79,7 @@ class InductorAdaptor(CompilerAdaptor):
 
     def compute_hash(self) -> str:
         if self._hash is None:
-            from torch._inductor import config as inductor_config
+            from .._torch.inductor import config as inductor_config
 
             # The portable config dict excludes machine-local entries (paths, worker counts).
             with inductor_config.patch(self.config_patches):
@@ -107,8 +106,8 @@ class InductorAdaptor(CompilerAdaptor):
         this adaptor's config patches) and, with CUDA, the device's compute capability: kernels
         built for AVX-512 or sm_90 must not load on an AVX2 CPU or an sm_80 GPU sharing the cache
         (a remote tier or a copied root). Inductor's own caches leave the ISA out of their keys."""
-        from torch._inductor import config as inductor_config
-        from torch._inductor import cpu_vec_isa
+        from .._torch.inductor import config as inductor_config
+        from .._torch.inductor import cpu_vec_isa
 
         if not _patches_isa(self.config_patches):
             isa_record.assume(self._root)
@@ -177,7 +176,7 @@ class InductorAdaptor(CompilerAdaptor):
 
     def _standalone_compile(self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], target: CompileTarget,
                             extra_patches: dict[str, Any] | None = None) -> Any:
-        from torch._inductor import standalone_compile
+        from .._torch.inductor import standalone_compile
 
         options = {"config_patches": {**self._patches_for(target), **(extra_patches or {})}}
         aliases = storage_aliases(example_inputs)
@@ -245,7 +244,7 @@ class InductorAdaptor(CompilerAdaptor):
             importlib.import_module(name)
 
     def load(self, payload: bytes, graph: torch.fx.GraphModule) -> Callable[..., Any]:
-        from torch._inductor.standalone_compile import AOTCompiledArtifact
+        from .._torch.inductor import AOTCompiledArtifact
 
         light = light_inductor_runtime() if self._light_loads else contextlib.nullcontext()
         if self.partition_ops is None:
@@ -331,7 +330,7 @@ class _ChainedPasses(CustomGraphPass):
 
 def _post_passes(passes: list[Any]) -> Any:
     """The ``post_grad_custom_post_pass`` value running `passes` in order on this Inductor."""
-    import torch._inductor.custom_graph_pass as cgp
+    from .._torch.inductor import custom_graph_pass as cgp
 
     if len(passes) == 1 or hasattr(cgp, "get_custom_graph_passes"):  # the list form exists
         return passes[0] if len(passes) == 1 else passes
@@ -373,8 +372,9 @@ def _static_inputs(example_inputs: Sequence[Any], size: int, symbol: Any = None,
         CompileError: an input depends on a symbol other than the dispatch symbol, so a static
             compile could specialise a dim that varies independently at runtime.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from .._torch.subclasses import FakeTensorMode
 
     symbol = symbol if symbol is not None else dispatch_symbol(example_inputs)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv()) if fake else None
@@ -459,8 +459,9 @@ def _drop_orphan_unbacked_symbols(example_inputs: Sequence[Any]) -> None:
     ``generate()`` compiled its first piece and the second one failed so; an earlier compile (or a
     fake run between pieces) had made the symbol and left it unbound. Symbols that do occur in the
     inputs stay pending, for the trace to bind as usual."""
-    from torch._guards import detect_fake_mode
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    from .._torch.fx import detect_fake_mode
 
     mode = detect_fake_mode(list(example_inputs))
     env = getattr(mode, "shape_env", None)

@@ -7,6 +7,7 @@ Configure passes on the `CompilationConfig`::
         passes=[MyFusion(eps=1e-6), "mypkg.passes:fold_scales", my_function],
         noop_elimination=True,        # built-in, on by default
         reinplace_custom_ops=True,    # built-in, on by default
+        cpu_packed_linear=None,       # built-in: bfloat16 CPU weights packed for oneDNN
     )
 
 Every pass has a `uuid()` (its source and options) that enters the compile key. Passes run inside
@@ -17,6 +18,7 @@ documented in `piecewise.passes.manager`; the ``eager`` adaptor runs no Inductor
 from .base import FunctionPass, InductorPass, PassContext, PiecewisePass, as_pass, graph_pass, resolve_pass
 from .manager import PassRecord, PostGradPassManager, pipeline
 from .noop import NoOpElimination
+from .packed_linear import PackedLinear
 from .reinplace import ReinplaceCustomOps
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "InductorPass",
     "NoOpElimination",
     "PassContext",
+    "PackedLinear",
     "PassRecord",
     "PiecewisePass",
     "PostGradPassManager",

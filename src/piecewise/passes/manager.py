@@ -8,7 +8,9 @@ Inductor's reinplacing and lowering. The manager runs, in this order (`pipeline`
 1. `NoOpElimination` (``CompilationConfig.noop_elimination``) - first, so user passes match
    patterns on a graph without do-nothing reshapes and slices;
 2. the user passes of ``CompilationConfig.passes``, in the order given;
-3. `ReinplaceCustomOps` (``CompilationConfig.reinplace_custom_ops``) - last, because a rewrite
+3. `PackedLinear` (``CompilationConfig.cpu_packed_linear``) - after the user passes, so they match
+   ``mm`` patterns as Inductor made them;
+4. `ReinplaceCustomOps` (``CompilationConfig.reinplace_custom_ops``) - last, because a rewrite
    in place is only sound when no later node reads the old value, so it must see the final uses.
 
 A pass whose `PiecewisePass.applies_to` declines the target is skipped (and logged as skipped).
@@ -29,8 +31,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .._torch.inductor import CustomGraphPass
 from ..targets import CompileTarget
 from ..errors import CompileError
 from .base import PassContext, PiecewisePass, stable_digest
@@ -63,12 +65,18 @@ class PassRecord:
 def pipeline(config: Any) -> tuple[PiecewisePass, ...]:
     """The ordered passes a `CompilationConfig` asks for (see the module doc for the order)."""
     from .noop import NoOpElimination
+    from .packed_linear import PackedLinear
     from .reinplace import ReinplaceCustomOps
 
     out: list[PiecewisePass] = []
     if config.noop_elimination:
         out.append(NoOpElimination())
     out.extend(config.passes)
+    if config.cpu_packed_linear is not False:
+        packed = PackedLinear({torch.bfloat16} if config.cpu_packed_linear is None else
+                              {torch.bfloat16, torch.float16, torch.float32})
+        if packed.dtypes:
+            out.append(packed)
     if config.reinplace_custom_ops:
         out.append(ReinplaceCustomOps())
     return tuple(out)

@@ -1,0 +1,196 @@
+"""The packed-linear pass (`piecewise.passes.PackedLinear`): which matmuls it rewrites, that the
+packed op gives eager's values, and that a packed copy follows its weight (in-place writes,
+replacement, freeing). On a CPU that cannot pack bfloat16 the default pipeline leaves it out and
+nothing is packed; the tests assert that instead."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import piecewise as pw
+from piecewise._torch.onednn import packable_dtypes
+from piecewise.passes import PackedLinear
+from piecewise.passes.packed_linear import OP, PACKED, PackedWeights, pack_linears
+
+from passhelp import GraphHarness
+
+BF16 = torch.bfloat16 in packable_dtypes()
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(32, 64, bias=bias, dtype=dtype)
+        self.down = torch.nn.Linear(64, 32, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _harness_run(model: torch.nn.Module, dtypes, *xs):
+    h = GraphHarness([PackedLinear(dtypes)])
+    run = h.compile(lambda x: model(x))
+    return h, [run(x) for x in xs]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_linears_become_the_packed_op_and_equal_eager_bit_for_bit(bias):
+    torch.manual_seed(0)
+    model = MLP(torch.bfloat16, bias).eval()
+    xs = [torch.randn(rows, 32, dtype=torch.bfloat16) for rows in (1, 8, 33)]
+    h, outs = _harness_run(model, {torch.bfloat16}, *xs)
+    expect = 2 if BF16 else 0
+    assert h.after[str(OP)] == expect and set(h.rewrites) == {expect}
+    assert h.after["aten.mm.default"] + h.after["aten.addmm.default"] == 2 - expect
+    with torch.no_grad():
+        for x, out in zip(xs, outs):
+            assert torch.equal(out, model(x))  # oneDNN's bf16 matmul, the weight packed once
+
+
+def test_float32_weights_are_left_to_mm_unless_asked_for():
+    torch.manual_seed(0)
+    model = MLP(torch.float32, bias=True).eval()
+    x = torch.randn(5, 32)
+    h, _ = _harness_run(model, {torch.bfloat16}, x)
+    assert set(h.rewrites) == {0} and str(OP) not in h.after
+    h, (out,) = _harness_run(model, {torch.float32}, x)
+    assert set(h.rewrites) == {2 if torch.float32 in packable_dtypes() else 0}
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))  # float32: the last bits may differ from mm's
+
+
+def test_an_activation_in_a_weights_place_is_not_packed():
+    def f(a, b):
+        return a @ b.t()  # the same graph as a linear, but b is no parameter
+
+    h = GraphHarness([PackedLinear({torch.bfloat16})])
+    run = h.compile(f)
+    before = pw.counters.weights_packed
+    for _ in range(3):
+        a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+        assert torch.equal(run(a, b), f(a, b))
+    assert pw.counters.weights_packed == before  # F.linear: nothing packed, nothing kept
+    assert pack_linears(torch.fx.Graph(), frozenset({torch.bfloat16})) == 0
+
+
+def test_a_packed_copy_follows_in_place_writes_replacement_and_freeing():
+    cache = PackedWeights()
+    w = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.bfloat16), requires_grad=False)
+    if not BF16:
+        assert PackedLinear({torch.bfloat16}).dtypes == frozenset()
+        return
+    before = pw.counters.weights_packed
+    p1 = cache.get(w)
+    assert cache.get(w) is p1 and len(cache) == 1 and cache.nbytes() == w.nbytes
+    w.mul_(2)  # an in-place write moves the version counter: packed again
+    p2 = cache.get(w)
+    assert p2 is not p1 and cache.get(w) is p2
+    w2 = torch.nn.Parameter(w.clone(), requires_grad=False)  # another tensor: its own copy
+    assert cache.get(w2) is not p2 and len(cache) == 2
+    assert pw.counters.weights_packed - before == 3
+    del w, w2
+    gc.collect()
+    assert len(cache) == 0  # freed weights take their packed copies with them
+
+
+def test_the_op_uses_the_weights_current_values():
+    if not BF16:
+        return
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.bfloat16), requires_grad=False)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    before = pw.counters.weights_packed
+    assert torch.equal(OP(x, w, None), F.linear(x, w))
+    with torch.no_grad():
+        w.copy_(torch.randn(16, 8, dtype=torch.bfloat16))
+    assert torch.equal(OP(x, w, None), F.linear(x, w))
+    b = torch.randn(16, dtype=torch.bfloat16)
+    assert torch.equal(OP(x, w, b), F.linear(x, w, b))
+    assert pw.counters.weights_packed - before == 2
+
+
+def test_cpu_packed_linear_must_be_none_or_a_bool():
+    with pytest.raises(pw.ConfigError, match="cpu_packed_linear"):
+        pw.CompilationConfig(cpu_packed_linear="yes")
+
+
+class Decoder(torch.nn.Module):
+    """The linears of a decoder as users write them: fused QKV with bias, projections, an MLP, a
+    head tied to the embedding; [B, T, C] activations (attention itself is not the point here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.qkv = torch.nn.Linear(32, 96, bias=True)
+        self.proj = torch.nn.Linear(32, 32)
+        self.mlp = MLP(torch.float32)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=2)
+        x = x + self.proj(torch.sigmoid(q * k) * v)
+        x = x + self.mlp(x)
+        return self.head(x)
+
+
+def test_a_compiled_bf16_model_equals_the_unpacked_compile_and_follows_new_weights(tmp_path):
+    torch.manual_seed(0)
+    model = Decoder().to(torch.bfloat16).eval()
+    cfg = dict(cache_dir=str(tmp_path), max_num_tokens=64)
+    packed = pw.compile(model, config=pw.CompilationConfig(tag="packed", **cfg), dynamic_arg_dims={"input_ids": (0, 1)})
+    plain = pw.compile(model, config=pw.CompilationConfig(tag="plain", cpu_packed_linear=False, **cfg),
+                       dynamic_arg_dims={"input_ids": (0, 1)})
+    before = pw.counters.snapshot()
+    with torch.no_grad():
+        for b, t in ((1, 9), (2, 1), (3, 17), (1, 1)):
+            ids = torch.randint(0, 64, (b, t))
+            assert torch.equal(packed(ids), plain(ids))
+        # qkv, proj, up, down, the tied head: 5 weights, packed once each
+        assert pw.counters.weights_packed - before["weights_packed"] == (5 if BF16 else 0)
+        model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()})
+        ids = torch.randint(0, 64, (2, 5))
+        assert torch.equal(packed(ids), plain(ids))
+    assert pw.counters.recompiles == before["recompiles"]
+    assert pw.counters.weights_packed - before["weights_packed"] == (10 if BF16 else 0)
+
+
+WARM = textwrap.dedent("""
+    import json, sys, torch, piecewise as pw
+    sys.path.insert(0, sys.argv[1])
+    from test_packed_linear import Decoder
+    torch.manual_seed(0)
+    model = Decoder().to(torch.bfloat16).eval()
+    compiled = pw.compile(model, config=pw.CompilationConfig(max_num_tokens=64), dynamic_arg_dims={"input_ids": 1})
+    ids = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        out = compiled(ids)
+    c = pw.counters
+    print(json.dumps({"out": out.float().sum().item(), "compiled": c.compiler_invocations, "traces": c.dynamo_traces,
+                      "packed": c.weights_packed}))
+""")
+
+
+def test_a_warm_process_loads_pieces_that_call_the_packed_op(tmp_path):
+    env = dict(os.environ, PIECEWISE_CACHE_DIR=str(tmp_path / "cache"))
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def run() -> dict:
+        p = subprocess.run([sys.executable, "-c", WARM, here], env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        import json
+
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(), run()
+    assert cold["compiled"] > 0 and warm["compiled"] == 0 and warm["traces"] == 0
+    assert warm["out"] == cold["out"] and warm["packed"] == cold["packed"] == (5 if BF16 else 0)
