@@ -73,7 +73,7 @@ def test_warm_process_with_inductor_and_compile_sizes(tmp_path, strategy, artifa
     assert (c["dynamo_traces"], c["compiler_invocations"], c["bundle_hits"]) == (0, 0, 1)
     # FX split: 3 distinct pieces x (general, size 4); Inductor partition: the whole graph x 2
     assert c["cache_loads"] == cc["artifacts_saved"] == artifacts
-    # the CPU loads ran without Inductor's compiler modules (compilers/inductor_runtime.py) ...
+    # the CPU loads ran without Inductor's compiler modules (_torch/inductor_runtime.py) ...
     assert not warm["compiler_imported"]
     # ... and a patch of Inductor's extern kernels made after the load reaches the loaded pieces
     # as it reaches compiled ones (the patch imports the real namespace, which the stand-in follows)

@@ -86,7 +86,7 @@ def main() -> int:
 
         import torch._inductor.select_algorithm as select_algorithm
 
-        from piecewise.compilers.inductor_runtime import TORCH_EXTERN_KERNELS
+        from piecewise._torch.inductor_runtime import TORCH_EXTERN_KERNELS
 
         patched_calls = 0
 

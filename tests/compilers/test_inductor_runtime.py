@@ -1,4 +1,4 @@
-"""The stand-ins for Inductor's compiler modules while artifacts load (compilers/inductor_runtime.py)."""
+"""The stand-ins for Inductor's compiler modules while artifacts load (_torch/inductor_runtime.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import textwrap
 
 import torch
 
-from piecewise.compilers.inductor_runtime import TORCH_EXTERN_KERNELS
+from piecewise._torch.inductor_runtime import TORCH_EXTERN_KERNELS
 
 
 def test_each_torch_extern_kernel_is_the_torch_function_inductor_registers():
@@ -42,7 +42,7 @@ def _fresh(code: str) -> str:
 def test_stand_ins_answer_generated_code_and_leave_after_the_load():
     out = _fresh("""
         import sys, torch
-        from piecewise.compilers.inductor_runtime import light_inductor_runtime
+        from piecewise._torch.inductor_runtime import light_inductor_runtime
         names = ("torch._inductor.select_algorithm", "torch._inductor.graph")
         with light_inductor_runtime():
             w = generated("from torch._inductor.select_algorithm import extern_kernels, AlgorithmSelectorCache\\n"
@@ -65,7 +65,7 @@ def test_stand_ins_answer_generated_code_and_leave_after_the_load():
 def test_any_other_name_imports_the_real_modules_in_their_own_order():
     out = _fresh("""
         import sys
-        from piecewise.compilers.inductor_runtime import light_inductor_runtime
+        from piecewise._torch.inductor_runtime import light_inductor_runtime
         with light_inductor_runtime():
             GraphLowering = generated("from torch._inductor.graph import GraphLowering").GraphLowering  # the stand-in
             # not stood in for: the real module
@@ -84,7 +84,7 @@ def test_any_other_name_imports_the_real_modules_in_their_own_order():
 def test_a_process_that_imported_the_real_modules_keeps_them():
     import torch._inductor.select_algorithm as real
 
-    from piecewise.compilers.inductor_runtime import light_inductor_runtime
+    from piecewise._torch.inductor_runtime import light_inductor_runtime
 
     with light_inductor_runtime():
         import torch._inductor.select_algorithm as during
@@ -94,7 +94,7 @@ def test_a_process_that_imported_the_real_modules_keeps_them():
 def test_only_the_loading_thread_gets_the_stand_ins():
     out = _fresh("""
         import builtins, sys, threading
-        from piecewise.compilers.inductor_runtime import light_inductor_runtime
+        from piecewise._torch.inductor_runtime import light_inductor_runtime
         original = builtins.__import__
         loading, other_done = threading.Event(), threading.Event()
         seen = {}
@@ -127,7 +127,7 @@ def test_a_patch_of_inductors_extern_kernels_reaches_what_loaded_through_the_sta
     out = _fresh("""
         import sys, torch
         from unittest import mock
-        from piecewise.compilers.inductor_runtime import light_inductor_runtime
+        from piecewise._torch.inductor_runtime import light_inductor_runtime
         with light_inductor_runtime():
             extern_kernels = generated("from torch._inductor.select_algorithm import extern_kernels").extern_kernels
         assert extern_kernels.mm is torch.mm and "torch._inductor.lowering" not in sys.modules
@@ -149,7 +149,7 @@ def test_a_torch_kernel_replaced_for_a_while_during_a_load_is_not_kept():
     out = _fresh("""
         import torch
         from unittest import mock
-        from piecewise.compilers.inductor_runtime import light_inductor_runtime
+        from piecewise._torch.inductor_runtime import light_inductor_runtime
         real_addmm = torch.addmm
         with mock.patch.object(torch, "addmm", lambda *a, **k: "profiled"):
             with light_inductor_runtime():
@@ -166,8 +166,8 @@ def test_the_import_wrapper_comes_back_after_another_library_dropped_it():
     load dropped piecewise's wrapper too; later loads then imported the compiler (0.6 s) for good."""
     out = _fresh("""
         import builtins, sys
-        from piecewise.compilers import inductor_runtime as ir
-        from piecewise.compilers.inductor_runtime import light_inductor_runtime
+        from piecewise._torch import inductor_runtime as ir
+        from piecewise._torch.inductor_runtime import light_inductor_runtime
         builtin = builtins.__import__
         def library_wrapper(*a, **k):
             return builtin(*a, **k)
@@ -198,7 +198,7 @@ def test_an_inductor_module_first_imported_during_a_load_binds_the_real_modules(
     arguments``)."""
     out = _fresh("""
         import torch
-        from piecewise.compilers.inductor_runtime import light_inductor_runtime
+        from piecewise._torch.inductor_runtime import light_inductor_runtime
         with light_inductor_runtime():
             import torch._inductor.compile_fx as compile_fx
         import torch._inductor.graph as graph

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .._torch.inductor import ISA_PROBE_MODULES
+
 log = logging.getLogger("piecewise")
 
 __all__ = ["PROBE_MODULES", "assume", "probe_if_assumed", "answer_source", "record_key", "record_path", "use_record",
@@ -51,8 +53,7 @@ _lock = threading.Lock()
 #: `probe` on the calling thread before its per-ISA threads start, so they import nothing. Two
 #: threads importing torch's modules at once can fail a circular import in one of them (seen:
 #: ModuleNotFoundError for torch.utils.flop_counter in a cold start).
-PROBE_MODULES = ("torch._inductor.codecache", "torch._inductor.cpp_builder", "torch.utils._filelock",
-                 "torch.utils.cpp_extension")
+PROBE_MODULES = ISA_PROBE_MODULES
 
 
 def answer_source() -> str | None:
@@ -71,7 +72,7 @@ def assume(root: str | None) -> None:
     with _lock:
         if _source is not None:
             return
-        from torch._inductor import cpu_vec_isa
+        from .._torch.inductor import cpu_vec_isa
 
         if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
             _source = "inductor"
@@ -99,7 +100,7 @@ def probe_if_assumed(root: str | None) -> bool:
     with _lock:
         if _source != "assumed":
             return False
-        from torch._inductor import cpu_vec_isa
+        from .._torch.inductor import cpu_vec_isa
 
         before = _answer(cpu_vec_isa)
         _forget_answers()
@@ -120,7 +121,7 @@ def _builds(code: str) -> bool:
 def _assume_builds() -> list[str]:
     """Evaluate Inductor's ISA decision with every build check answering True; its memos keep the
     answers. Returns the valid ISAs' names."""
-    from torch._inductor import cpu_vec_isa
+    from .._torch.inductor import cpu_vec_isa
 
     isas = list(cpu_vec_isa.supported_vec_isa_list)
     for isa in isas:
@@ -143,7 +144,7 @@ def _answer(cpu_vec_isa: Any) -> list[Any]:
 def _forget_answers() -> None:
     """Clear Inductor's ISA memos and restore the ISA instances' attributes, so the next question
     is answered afresh."""
-    from torch._inductor import cpu_vec_isa
+    from .._torch.inductor import cpu_vec_isa
 
     fn = cpu_vec_isa.valid_vec_isa_list
     if getattr(fn, "recorded", False):
@@ -185,8 +186,8 @@ def record_key() -> str:
     import shutil
     import sys
 
-    from torch._inductor import config as inductor_config
-    from torch._inductor import cpu_vec_isa
+    from .._torch.inductor import config as inductor_config
+    from .._torch.inductor import cpu_vec_isa
 
     x86 = platform.machine() in ("x86_64", "AMD64")
     cxx = inductor_config.cpp.cxx
@@ -211,7 +212,7 @@ def use_record(root: str) -> bool:
     instead) when there is none, it is not trusted or does not parse, or it names an ISA this torch
     does not know or whose flags this CPU lacks. Inductor still builds the picked ISA's test once
     (codegen asks ``bool(picked)``)."""
-    from torch._inductor import cpu_vec_isa
+    from .._torch.inductor import cpu_vec_isa
 
     if getattr(cpu_vec_isa.valid_vec_isa_list, "recorded", False) or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
         return True  # already answered in this process
@@ -260,7 +261,7 @@ def probe(root: str | None = None) -> None:
     import importlib
     import platform
 
-    from torch._inductor import cpu_vec_isa
+    from .._torch.inductor import cpu_vec_isa
 
     for name in PROBE_MODULES:
         importlib.import_module(name)

@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from .._torch.inductor import CustomGraphPass
+from .._torch.ops import OpOverloadPacket
 
 __all__ = ["PartitionSlot", "PartitionedCallable", "PartitionMarker", "partition_scope", "uncuttable_ops"]
 
@@ -83,7 +84,7 @@ class PartitionSlot:
         numbers only (what a graph wrapper calls, binds and copies one by one)."""
         if self.spec is None:
             return self.fn(list(leaves))
-        from torch.utils._pytree import tree_unflatten
+        from .._torch.pytree import tree_unflatten
 
         return self.fn(list(tree_unflatten(list(leaves), self.spec)))
 
@@ -91,7 +92,7 @@ class PartitionSlot:
         """Route calls through ``wrapper(*leaves)`` (a `PieceGraphWrapper` around `unpacked`).
         Inputs nested in tuples or lists are flattened first: a wrapper binds and copies flat
         tensors, and a tuple would be bound once at capture and never refreshed."""
-        from torch.utils._pytree import tree_flatten
+        from .._torch.pytree import tree_flatten
 
         def call(args: list[Any]) -> Any:
             nested = self.nested
@@ -141,13 +142,14 @@ def uncuttable_ops(targets: Sequence[Any]) -> list[str]:
     ops, aten ops registered as fallbacks); an op it decomposes or lowers to its own code (an aten
     ``softmax``, ``bmm``) would be fused into a partition, so it would not run eagerly between
     partitions as a splitting op must."""
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.lowering import fallbacks, lowerings
+    from .._torch.inductor import lowering, select_decomp_table
+
+    fallbacks, lowerings = lowering.fallbacks, lowering.lowerings
 
     decomps = select_decomp_table()
     out = []
     for t in targets:
-        overloads = [getattr(t, name) for name in t.overloads()] if isinstance(t, torch._ops.OpOverloadPacket) else [t]
+        overloads = [getattr(t, name) for name in t.overloads()] if isinstance(t, OpOverloadPacket) else [t]
         for op in overloads:
             if op in decomps or (op in lowerings and op not in fallbacks):
                 out.append(str(op))
@@ -155,7 +157,7 @@ def uncuttable_ops(targets: Sequence[Any]) -> list[str]:
 
 
 def _is_gpu_graph(example_inputs: Sequence[Any]) -> bool:
-    from torch._inductor.utils import is_gpu
+    from .._torch.inductor import is_gpu
 
     return any(isinstance(x, torch.Tensor) and is_gpu(x.device.type) for x in example_inputs)
 
@@ -170,9 +172,11 @@ def partition_scope(split_ops: Sequence[str], example_inputs: Sequence[Any] = ()
     rule; otherwise CPU nodes stay inside partitions (module doc). One scope at a time per process
     (a lock): the wrapper hook is process-wide. Every setting is restored on exit.
     """
-    from torch._inductor import config as inductor_config
-    from torch._inductor import utils as inductor_utils
-    from torch._inductor.scheduler import Scheduler
+    from .._torch.inductor import config as inductor_config
+    from .._torch.inductor import scheduler
+    from .._torch.inductor import utils as inductor_utils
+
+    Scheduler = scheduler.Scheduler
 
     gpu = _is_gpu_graph(example_inputs) if gpu is None else gpu
     slots: list[PartitionSlot] = []

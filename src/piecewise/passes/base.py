@@ -305,7 +305,7 @@ def as_pass(obj: Any) -> PiecewisePass:
         ConfigError: the entry is none of those, the name does not import, or the pass has no
             stable uuid; the message says how to fix it.
     """
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from .._torch.inductor import CustomGraphPass
 
     if isinstance(obj, str):
         return as_pass(resolve_pass(obj))

@@ -1,5 +1,11 @@
 """Loading Inductor artifacts without importing Inductor's compiler (docs/design.md §4.5).
 
+A patch of Python's import (``builtins.__import__`` is wrapped while a warm start loads artifacts,
+in the loading thread only, and put back when the last load ends) and stand-ins for two Inductor
+modules (``torch._inductor.select_algorithm``, ``torch._inductor.graph``). Verified on torch 2.13.0
+(CPU); ``tests/compilers/test_inductor_runtime.py`` checks the stand-ins against Inductor's own
+namespace, so a torch that changes them fails there, not silently.
+
 Inductor's generated wrapper modules start with
 ``from torch._inductor.select_algorithm import extern_kernels`` and
 ``generate_example_value = AlgorithmSelectorCache.generate_example_value``. Importing
