@@ -59,7 +59,21 @@ FIELDS = tuple(f.name for f in dataclasses.fields(_Tally))
 
 
 class Counters(_Tally):
-    """Process-wide tallies; see module doc. Thread-safe increments through `bump`."""
+    """Process-wide tallies of compile work (each field an ``int``, counted since the process
+    started or the last `reset`); see the module doc and the counters reference for each field.
+    Thread-safe increments through `bump`; `expect` asserts deltas and raises `CounterMismatch`.
+
+    Examples:
+        >>> import torch, piecewise as pw
+        >>> compiled = pw.compile(torch.nn.Linear(4, 4), pw.CompilationConfig(backend="eager"),
+        ...                       dynamic_arg_dims={"input": 0})
+        >>> with pw.counters.expect(dynamo_traces=1):
+        ...     _ = compiled(torch.randn(3, 4))        # the first call traces
+        >>> with pw.counters.expect(dynamo_traces=0, recompiles=0):
+        ...     _ = compiled(torch.randn(5, 4))        # another size: no trace, no recompile
+        >>> pw.counters.by_tag[compiled.tag].dynamo_traces
+        1
+    """
 
     def __init__(self) -> None:
         super().__init__()

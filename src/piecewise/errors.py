@@ -33,7 +33,16 @@ class PiecewiseError(Exception):
 
 
 class ConfigError(PiecewiseError, ValueError):
-    """An invalid `CompilationConfig` field or combination of fields."""
+    """An invalid `CompilationConfig` field or combination of fields, raised when the config is made
+    or when `piecewise.compile` is called, before any trace.
+
+    Examples:
+        >>> import torch, piecewise as pw
+        >>> pw.compile(torch.nn.Linear(2, 2), pw.CompilationConfig(backend="no_such"))
+        Traceback (most recent call last):
+            ...
+        piecewise.errors.ConfigError: backend='no_such' is not a registered compiler adaptor; known: [...]; register one with piecewise.compilers.register_adaptor
+    """
 
 
 class InputError(PiecewiseError, ValueError):
@@ -55,7 +64,25 @@ class InputError(PiecewiseError, ValueError):
 class SizeRefusedError(InputError):
     """A call's dynamic sizes fail a shape guard of the trace (the traced code branched on a size,
     or holds only at one size), so the compiled model would run code specialised for other sizes.
-    Raised before anything runs; the message names the dim, its value and the guard's line."""
+    Raised before anything runs; the message names the dim, its value and the guard's line. Such a
+    call is served by a trace of its own (a size class) until `CompilationConfig.max_size_classes`
+    traces exist; then, or under ``debug=True``, it is refused with this error.
+
+    Examples:
+        >>> import torch, piecewise as pw
+        >>> class Gate(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x * 2 if x.shape[0] == 1 else x + 1
+        >>> compiled = pw.compile(Gate(), pw.CompilationConfig(backend="eager", max_size_classes=1),
+        ...                       dynamic_arg_dims={"x": 0})
+        >>> compiled(torch.ones(3, 2)).shape     # traced at 3 rows: serves 2..512 rows
+        torch.Size([3, 2])
+        >>> try:
+        ...     compiled(torch.ones(1, 2))
+        ... except pw.SizeRefusedError as e:
+        ...     print(str(e)[:60])
+        [Gate] x.shape[0] = 1 refused: the trace took Ne(x.shape[0],
+    """
 
 
 class SplitError(PiecewiseError):
@@ -68,7 +95,20 @@ class CompileError(PiecewiseError):
 
 class TraceError(CompileError, RuntimeError):
     """An op failed on the trace's fake tensors: a shape error eager raises too, or one only the
-    trace's symbolic sizes meet. A `RuntimeError`, as eager's error and Dynamo's own are."""
+    trace's symbolic sizes meet. A `RuntimeError`, as eager's error and Dynamo's own are.
+
+    Examples:
+        >>> import torch, piecewise as pw
+        >>> class Bad(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x @ torch.ones(3, 3)
+        >>> compiled = pw.compile(Bad(), pw.CompilationConfig(backend="eager"), dynamic_arg_dims={"x": 0})
+        >>> try:
+        ...     compiled(torch.ones(2, 4))
+        ... except RuntimeError as e:              # eager's (2, 4) @ (3, 3) fails the same way
+        ...     print(type(e).__name__, "names the op:", "matmul" in str(e))
+        TraceError names the op: True
+    """
 
 
 class RecompileError(PiecewiseError):
@@ -78,7 +118,21 @@ class RecompileError(PiecewiseError):
 
 class GuardFailureError(PiecewiseError):
     """Debug mode only: a Dynamo guard of the first trace would have failed on this call, so the
-    guard-free dispatch would run code traced for other inputs."""
+    guard-free dispatch would run code traced for other inputs.
+
+    Examples:
+        >>> import torch, piecewise as pw
+        >>> class Gate(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x * 2 if x.shape[0] == 1 else x + 1
+        >>> compiled = pw.compile(Gate(), pw.CompilationConfig(backend="eager", debug=True), dynamic_arg_dims={"x": 0})
+        >>> _ = compiled(torch.ones(3, 2))
+        >>> try:
+        ...     compiled(torch.ones(1, 2))      # debug=True checks every guard of the trace on each call
+        ... except pw.GuardFailureError as e:
+        ...     print("size()[0] != 1" in str(e))
+        True
+    """
 
 
 class CacheError(PiecewiseError):

@@ -77,7 +77,16 @@ def op_exists(name: str) -> bool:
 
 
 def mark_splitting_op(op: Any) -> str:
-    """Add an existing op to the default split points; returns its normalised name."""
+    """Add an existing op (an ``OpOverload``, ``OpOverloadPacket`` or a ``"namespace::op"`` name)
+    to the default split points of every later compile; returns its normalised name.
+
+    Examples:
+        >>> import torch, piecewise as pw
+        >>> pw.mark_splitting_op(torch.ops.aten.softmax.int)
+        'aten::softmax'
+        >>> pw.mark_splitting_op("mylib::attention")    # an op registered elsewhere (or later)
+        'mylib::attention'
+    """
     name = normalize_op_name(op)
     with _lock:
         _registered[name] = None
@@ -106,6 +115,18 @@ def splitting_op(
 
     Raises:
         ConfigError: `name` is not of the form ``"namespace::op"``.
+
+    Examples:
+        >>> import torch, piecewise as pw
+        >>> @pw.splitting_op("mydocs::attention")
+        ... def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ...     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> @attention.register_fake
+        ... def _(q, k, v):
+        ...     return torch.empty_like(q)        # same shape, dtype and strides as the real op's output
+        >>> q = torch.randn(1, 2, 5, 8)           # [batch, heads, tokens, head_dim]
+        >>> torch.ops.mydocs.attention(q, q, q).shape
+        torch.Size([1, 2, 5, 8])
     """
     if not isinstance(name, str) or "::" not in name:
         raise ConfigError(f"splitting_op name {name!r} must be 'namespace::op_name'")
