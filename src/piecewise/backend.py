@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._dispatch.python import enable_python_dispatcher
 
+from ._torch.dispatch import enable_python_dispatcher
 from ._torch.dynamo import unwrapped_by_dynamo
+from ._torch.fx import CompileContext, TracingContext, detect_fake_mode
+from ._torch.subclasses import FakeTensorMode
 from .cache.key import KEY_FORMAT, compute_key, diff_factors, env_factors, input_signature, source_factors
 from .cache.remote import claim_or_wait, remote_cache, remote_url
 from .cache.store import CacheEntry, current_rank, resolve_root, shares_across_ranks
@@ -528,9 +530,9 @@ class PiecewiseBackend:
 
 def _fake_inputs(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     """Dynamo hands real tensors for user inputs; its fake mode memoises their symbolic fakes."""
-    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
-        fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     return fake_mode, [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
 
@@ -1018,7 +1020,7 @@ def render_split_graph(split: SplitResult) -> str:
 
 def traced_source_files() -> set[str]:
     """Files of every code object Dynamo inlined into the graph being compiled."""
-    codes = torch._guards.TracingContext.get_traced_code() or []
+    codes = TracingContext.get_traced_code() or []
     return {c.co_filename for c in codes}
 
 
@@ -1093,8 +1095,8 @@ def _dynamo_recompile() -> tuple[str, int, str] | None:
     compile is told apart by its tracing context: compile ids restart after ``torch._dynamo.reset()``."""
     import weakref
 
-    cid = torch._guards.CompileContext.current_compile_id()
-    ctx = torch._guards.TracingContext.try_get()
+    cid = CompileContext.current_compile_id()
+    ctx = TracingContext.try_get()
     n = getattr(cid, "frame_compile_id", None)
     if ctx is None or n is None:
         return None
@@ -1106,7 +1108,7 @@ def _dynamo_recompile() -> tuple[str, int, str] | None:
         return None
     reason = None
     try:
-        from torch._dynamo.utils import get_metrics_context
+        from ._torch.dynamo import get_metrics_context
 
         reason = getattr(get_metrics_context(), "_metrics", {}).get("recompile_reason")
     except Exception as e:  # another torch: the count still holds

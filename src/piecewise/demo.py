@@ -33,6 +33,7 @@ from typing import Any, TextIO
 import torch
 
 from . import api
+from ._torch import dynamo
 from .config import CompilationConfig
 from .counters import counters
 
@@ -77,12 +78,12 @@ def _cache_state(cm) -> str:
 
 def _after_warmup(run: Callable[[], Any]) -> tuple[Any, int]:
     """Run once more after warm-up and count recompiles (ours and Dynamo's) during it."""
-    dynamo_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    dynamo_before = dynamo.compiled_frames()
     before = counters.snapshot()
     out = run()
     ours = counters.delta_since(before)
     recompiles = ours.get("recompiles", 0) + ours.get("graphs_seen", 0)
-    return out, recompiles + torch._dynamo.utils.counters["stats"]["unique_graphs"] - dynamo_before
+    return out, recompiles + dynamo.compiled_frames() - dynamo_before
 
 
 def _reference_decoder(modes, layers: int) -> list[Row]:

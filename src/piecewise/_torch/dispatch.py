@@ -10,10 +10,10 @@ import torch
 import torch.autograd.profiler
 from torch._C import _has_storage, _is_any_autocast_enabled
 from torch._dispatch.python import enable_python_dispatcher
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 __all__ = ["dispatch_is_plain", "is_any_autocast_enabled", "has_storage", "disable_current_modes",
-           "enable_python_dispatcher"]
+           "enable_python_dispatcher", "TorchDispatchMode"]
 
 #: ``torch._C._is_any_autocast_enabled()``: whether autocast is on for any device. One C call:
 #: a compiled model checks it on every call (autocast is state Dynamo guards and guard-free
@@ -31,6 +31,11 @@ disable_current_modes = _disable_current_modes
 #: ``torch._dispatch.python.enable_python_dispatcher()``: a context that routes ops through their
 #: Python kernels (the decompositions a fake run of a graph needs, ``backend``).
 enable_python_dispatcher = enable_python_dispatcher
+
+#: ``torch.utils._python_dispatch.TorchDispatchMode``: the base class of a dispatch mode (the fake
+#: graph platform of ``piecewise.testing`` watches what a capture runs with one); torch has no
+#: public spelling of it.
+TorchDispatchMode = TorchDispatchMode
 
 
 def dispatch_is_plain() -> bool:

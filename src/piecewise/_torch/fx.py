@@ -20,13 +20,17 @@ from torch.fx.node import _get_qualified_name
 
 from ._lazy import lazy_names
 
-__all__ = ["force_recompile", "qualified_name", "backed_size_oblivious", "size_oblivious_patch", "detect_fake_mode",
+__all__ = ["torch_check", "force_recompile", "qualified_name", "backed_size_oblivious", "size_oblivious_patch", "detect_fake_mode",
            "CompileContext", "TracingContext", "tracing", "GraphPickler", "GraphPicklerOptions"]
 
 #: ``torch._guards.detect_fake_mode(inputs)``: the fake mode Dynamo's example inputs were made
 #: in (the backend makes fakes in it); ``TracingContext`` / ``CompileContext`` / ``tracing``: the
 #: context of the compile in progress (the traced code objects, Dynamo's compile id; ``trace``
 #: runs the backend inside a tracing context of its own, as Dynamo does).
+
+#: ``torch._check(cond)``: a size fact for the trace's shape environment (a fake kernel tells the
+#: trace that two sizes are equal, so it keeps one dynamic dim, ``serving.llama``).
+torch_check = torch._check
 
 
 def force_recompile(gm: torch.fx.GraphModule) -> None:

@@ -14,7 +14,7 @@ from torch._C import FloatType, ListType, OptionalType
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 
 __all__ = ["OpOverload", "OpOverloadPacket", "HigherOrderOperator", "OptionalType", "FloatType", "ListType",
-           "has_kernel_for_dispatch_key", "auto_functionalized", "mutable_args"]
+           "has_kernel_for_dispatch_key", "auto_functionalized", "mutable_args", "custom_op_def"]
 
 #: ``torch._ops.OpOverload`` / ``OpOverloadPacket`` / ``HigherOrderOperator``: the types of
 #: ``torch.ops.ns.op.default``, ``torch.ops.ns.op`` and higher-order ops. piecewise tells splitting
@@ -28,6 +28,15 @@ def has_kernel_for_dispatch_key(qualname: str, key: str) -> bool:
     "CUDA", ...): ``torch._C._dispatch_has_kernel_for_dispatch_key``. Why: a splitting op called
     directly (``ops.direct_call``) must not skip a device kernel a user registered."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)
+
+
+def custom_op_def(op: Any) -> Any:
+    """The ``torch.library.custom_op`` definition (``CustomOpDef``) behind op overload `op`, or None
+    for an op not defined so: ``torch._library.custom_ops._maybe_get_opdef``. Why: the fake graph
+    platform (``piecewise.testing``) runs a custom op's Python body to check what it does."""
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    return _maybe_get_opdef(op)
 
 
 def auto_functionalized() -> Any:

@@ -160,7 +160,7 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
 
         return engine, lambda: pw.counters.recompiles
 
-    import torch._dynamo.utils
+    from .._torch import dynamo
     from transformers.generation.streamers import BaseStreamer
 
     kw: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
@@ -203,7 +203,7 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
             def end(self):
                 pass
 
-        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        before = dynamo.compiled_frames()
         start = time.perf_counter()
         with torch.no_grad():
             gen(ids, attention_mask=torch.ones_like(ids), streamer=Clock(), **{**kw, "max_new_tokens": tokens,
@@ -211,7 +211,7 @@ def _build(system: str, batch: int, weights_root: str, prompt_len: int = PROMPT_
         sync()
         total = time.perf_counter() - start
         if system == "hf_compile_static":
-            graphs[0] += torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+            graphs[0] += dynamo.compiled_frames() - before
         if out is not None:
             out.extend([int(step[i]) for step in steps] for i in range(n))
         return (first[0] if first else float("nan")), total

@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from .._torch import dynamo
+
 SYSTEMS = ("eager", "compile default", "compile reduce-overhead", "piecewise graphs", "piecewise full", "piecewise partition")
 
 
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[int, tuple[float, float, float]]] = {}
     first_s: dict[str, float] = {}
     for name in systems:
-        torch._dynamo.reset()
+        dynamo.reset()
         model = LlamaForCausalLM(cfg, seed=0).cuda()
         fn = _build(name, model, dims)
         t0 = time.perf_counter()

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .._torch import dynamo
 from ..ops import splitting_op
 
 __all__ = ["CloneSplitModel", "measure", "main"]
@@ -115,7 +116,7 @@ def measure(device: str = "cuda", *, layers: int = 16, hidden: int = 1024, batch
     systems["eager"] = _median_us(lambda: model(x), sync, steps, rounds)
     if platform is not None:
         for name, mode in (("piecewise graphs", "piecewise"), ("piecewise full", "full")):
-            torch._dynamo.reset()
+            dynamo.reset()
             cm = pw.compile(model, pw.CompilationConfig(backend=backend, max_num_tokens=max(batch, 8), cudagraph_mode=mode,
                                                         cudagraph_capture_sizes=[batch], tag=f"bench_overhead_{mode}"),
                             dynamic_arg_dims={"x": 0})

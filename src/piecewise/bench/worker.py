@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from .._torch import dynamo
+
 
 def _model(layers: int):
     from piecewise.serving import LlamaConfig, LlamaForCausalLM
@@ -54,7 +56,7 @@ def _compiled(system: str, model, max_tokens: int):
         def call(ids, pos, seq):
             if first[0]:  # mark the token dim dynamic once, as a user would on the first batch
                 for t in (ids, pos, seq):
-                    torch._dynamo.mark_dynamic(t, 0)
+                    dynamo.mark_dynamic(t, 0)
                 first[0] = False
             return fn(ids, pos, seq)
 
@@ -70,7 +72,7 @@ def _compiled(system: str, model, max_tokens: int):
 
 def _dynamo_seconds(key: str) -> float | None:
     """Total seconds Dynamo's `dynamo_timed` recorded under `key` in this process (None: never entered)."""
-    runs = torch._dynamo.utils.compilation_time_metrics.get(key)
+    runs = dynamo.compilation_time_metrics.get(key)
     return None if runs is None else float(sum(runs))
 
 
@@ -311,12 +313,12 @@ def main() -> int:
     import piecewise as pw
 
     if args.sizes:
-        dyn0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        dyn0 = dynamo.compiled_frames()
         before = pw.counters.snapshot()
         for n in range(1, args.sizes + 1):
             fn(*_inputs(cfg, n, gen))
         d = pw.counters.delta_since(before)
-        out["recompiles"] = (torch._dynamo.utils.counters["stats"]["unique_graphs"] - dyn0) + d.get("recompiles", 0) + d.get("graphs_seen", 0)
+        out["recompiles"] = (dynamo.compiled_frames() - dyn0) + d.get("recompiles", 0) + d.get("graphs_seen", 0)
     if args.steps:
         lat = {}
         for b in [int(s) for s in args.batches.split(",")]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._torch.fx import torch_check
 from ..errors import ConfigError, InputError
 from ..forward_context import forward_context
 from ..ops import splitting_op
@@ -392,7 +393,7 @@ def _attention_graph_safe(q, k, v, k_cache, v_cache, positions, seq_ids, scale, 
 def _(q, k, v, k_cache, v_cache, positions, seq_ids, scale, out):
     # Without this, seq_ids (read by nothing but this op) keeps a symbolic size of its own and a
     # traced graph shows two dynamic dims where there is one, num_tokens.
-    torch._check(seq_ids.shape[0] == q.shape[0])
+    torch_check(seq_ids.shape[0] == q.shape[0])
 
 
 @torch.compiler.assume_constant_result
@@ -789,7 +790,7 @@ def _unwrap_compiled(hf_model: nn.Module) -> nn.Module:
     """The model `torch.compile(model)` wraps (an ``OptimizedModule``; its ``_orig_mod``): the same
     forward, compiled, so the same weights and tokens. ConfigError for a hook on the wrapper itself,
     which its calls would run."""
-    from torch._dynamo.eval_frame import OptimizedModule
+    from .._torch.dynamo import OptimizedModule
 
     while isinstance(hf_model, OptimizedModule):
         hooks = [_hook_name(h) for d in (hf_model._forward_hooks, hf_model._forward_pre_hooks) for h in d.values()]

@@ -54,7 +54,7 @@ class RowParallelLinear(nn.Module):
         self.group_name = (group if group is not None else torch.distributed.group.WORLD).group_name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed import _functional_collectives as funcol
+        from .._torch.distributed import functional_collectives as funcol
 
         y = funcol.all_reduce(nn.functional.linear(x, self.weight), "sum", self.group_name)
         return y if self.bias is None else y + self.bias

@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch._library.custom_ops import _maybe_get_opdef
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from piecewise._torch.dispatch import TorchDispatchMode
+from piecewise._torch.ops import custom_op_def
 from piecewise.forward_context import forward_context
 from piecewise.graphs.platform import GraphPlatform, register_platform, resolve_platform
 
@@ -56,7 +56,7 @@ class _NoHostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _HOST_READS:
             raise RuntimeError("host read of a tensor value during graph capture")
-        opdef = _maybe_get_opdef(func)
+        opdef = custom_op_def(func)
         if opdef is not None:  # a custom op (a splitting op in a full graph): check what its body runs
             with _NoHostReads():
                 return opdef._init_fn(*args, **(kwargs or {}))
