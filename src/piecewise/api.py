@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ._torch.dispatch import is_any_autocast_enabled
 from . import state
 from .backend import PiecewiseBackend
 from .warmstart import StartSubject, WarmStart
@@ -154,7 +155,7 @@ class CompiledModel:
         # whose state check takes the lock again
         self._lock = threading.RLock()
         # Module state the trace read (`piecewise.state`): verified again whenever the epoch moved.
-        state.install()
+        state.install(self)
         self._state_epoch = -1
         self._state_layout: dict[str, Any] = {}
         self._plain_tensors: list[Any] = []
@@ -171,7 +172,7 @@ class CompiledModel:
         # Autocast is global state Dynamo guards and guard-free dispatch does not: code traced with
         # or without it would run silently in the other state (bf16 against fp32 matmuls). The
         # first call's state is kept; another one later is refused. One C call when never used.
-        if torch._C._is_any_autocast_enabled() or self._autocast is not None:
+        if is_any_autocast_enabled() or self._autocast is not None:
             now = state.autocast_state()
             if self._autocast is _UNSET:
                 self._autocast = now
@@ -506,7 +507,7 @@ class CompiledModel:
             )
 
     def _first_call(self, args: tuple, kwargs: dict) -> Any:
-        from torch._dynamo.convert_frame import compile_lock
+        from ._torch.dynamo import compile_lock
 
         with self._lock:
             if self._fast is not None:
@@ -646,19 +647,20 @@ class CompiledModel:
             self._signature.write_back(copies)
 
     def _trace(self, args: tuple, kwargs: dict) -> Trace:
-        import torch._dynamo.exc
-        import torch.fx.experimental._config as fx_config
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, GuardOnDataDependentSymNode
+
+        from ._torch.dynamo import TorchRuntimeError, Unsupported, UserError, automatic_dynamic_shapes
+        from ._torch.fx import size_oblivious_patch
 
         try:
             # Dims are dynamic only where dynamic_arg_dims says so: Dynamo's automatic dynamic
             # shapes would otherwise make a second trace of the same code (after a state change,
             # or another instance) dynamic in whatever differed from the first.
             oblivious = self.config.dynamic_shapes == "backed_size_oblivious"
-            with fx_config.patch(backed_size_oblivious=oblivious), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            with size_oblivious_patch(oblivious), automatic_dynamic_shapes(False):
                 return trace(self.module, args, kwargs, self.backend, full_guards=self.config.debug,
                                object_args=self._object_roots())
-        except (torch._dynamo.exc.UserError, ConstraintViolationError, GuardOnDataDependentSymNode) as e:
+        except (UserError, ConstraintViolationError, GuardOnDataDependentSymNode) as e:
             if "data-dependent" in str(e):
                 raise CompileError(
                     f"[{self.tag}] the trace met a branch on a size it cannot decide "
@@ -670,7 +672,7 @@ class CompiledModel:
                 "dynamic but is not marked itself (add it to dynamic_arg_dims), or the model fixes a dim marked "
                 "dynamic (remove it)"
             ) from e
-        except torch._dynamo.exc.Unsupported as e:
+        except Unsupported as e:
             own = _own_error_raised_in_trace(e)
             if own is not None:
                 raise own from e
@@ -678,7 +680,7 @@ class CompiledModel:
                 f"[{self.tag}] {type(self.module).__name__}.forward cannot be captured as one graph: "
                 f"{str(e).splitlines()[0]}. Make the code traceable or register the op as a splitting op"
             ) from e
-        except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on the trace's fake tensors
+        except TorchRuntimeError as e:  # an op failed on the trace's fake tensors
             own = _own_error_raised_in_trace(e)
             if own is not None:
                 raise own from e
@@ -772,12 +774,14 @@ def _marked_dynamic(pairs: list[tuple[torch.Tensor, int]], unbacked: bool = Fals
     """Mark (tensor, dim) pairs dynamic (or unbacked) for one trace, then take the marks off again:
     marks left on a caller's tensor would make the next model's bundle guards refuse that tensor."""
     unmarked = [t for t, _ in pairs if not any(hasattr(t, m) for m in ("_dynamo_dynamic_indices", "_dynamo_unbacked_indices"))]
+    from ._torch import dynamo
+
     try:
         for t, d in pairs:
             if unbacked:
-                torch._dynamo.decorators.mark_unbacked(t, d)
+                dynamo.mark_unbacked(t, d)
             else:
-                torch._dynamo.mark_dynamic(t, d)
+                dynamo.mark_dynamic(t, d)
         yield
     finally:
         for t in unmarked:

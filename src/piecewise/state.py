@@ -37,7 +37,8 @@ again (`describe`, O(parameters)) and compare the description with the one taken
   lookup a module assignment anywhere in the process, nothing on the call path.
 
 Those without a hook in torch get a thin wrapper, installed on ``nn.Module`` (and the two global
-registration functions) once, when the first model is compiled (`install`). Dynamo compares
+registration functions) when the first model is compiled and taken off again when the last compiled model is
+freed (`install`, `piecewise._torch.nn`). Dynamo compares
 ``Module.__setattr__`` by identity with ``torch.nn.Module.__setattr__`` read when it traces, so the
 wrapper installed there is still recognised; a ``self.x = ...`` that forward itself runs is traced
 through it (``torch.compiler.is_compiling()`` is its first test, so the trace reads none of this
@@ -65,14 +66,18 @@ from typing import Any
 import torch
 
 from ._torch.dispatch import is_any_autocast_enabled
+from ._torch.nn import install_module_patches, uninstall_module_patches
 
 __all__ = ["epoch", "bump", "install", "watch", "watched", "note_read", "read_attributes", "describe", "diff",
            "TensorState", "CodeGuard", "plain_tensors", "check_plain_tensors", "MODULE_INTERNALS"]
 
 #: the state epoch; read it through `epoch()` or as ``state.EPOCH`` on the hot path
 EPOCH = 0
-_lock = threading.Lock()
+#: re-entrant: a finalizer (`_release`) may run in a garbage collection inside `install`
+_lock = threading.RLock()
 _installed = False
+#: live compiled models that installed the patches (`install`); the last one freed removes them
+_owners = 0
 
 
 def epoch() -> int:
@@ -91,38 +96,30 @@ def bump(*_: Any) -> None:
     EPOCH += 1  # a lost increment under a race still moves the epoch away from every reader's copy
 
 
-def install() -> None:
-    """Register the hooks and wrappers that move the epoch (idempotent, process-wide)."""
-    global _installed
+def install(owner: Any = None) -> None:
+    """Install the hooks and wrappers that move the epoch (`piecewise._torch.nn`; idempotent,
+    process-wide). With `owner` (a compiled model), they stay while any such owner is alive and
+    are taken off again when the last one is freed; without, they stay for the process."""
+    global _installed, _owners
     with _lock:
+        if owner is not None:
+            _owners += 1
+            finalizer = weakref.finalize(owner, _release)
+            finalizer.atexit = False
         if _installed:
             return
-        from torch.nn.modules import module as nn_module
-
-        nn_module.register_module_parameter_registration_hook(bump)
-        nn_module.register_module_buffer_registration_hook(bump)
-        nn_module.register_module_module_registration_hook(bump)
-        for name in ("_apply", "train", "register_forward_hook", "register_forward_pre_hook", "register_parameter",
-                     "__delattr__"):
-            original = getattr(torch.nn.Module, name)
-            if not getattr(original, "__piecewise_bumps__", False):
-                setattr(torch.nn.Module, name, _bumping(original, mark_handle=name.startswith("register_forward")))
-        if not getattr(torch.nn.Module.__setattr__, "__piecewise_bumps__", False):
-            torch.nn.Module.__setattr__ = _watching_setattr(torch.nn.Module.__setattr__)
-        import torch.nn.modules as nn_modules
-        from torch.utils.hooks import RemovableHandle
-
-        if not getattr(RemovableHandle.remove, "__piecewise_bumps__", False):
-            RemovableHandle.remove = _removing(RemovableHandle.remove)
-
-        for name in ("register_module_forward_hook", "register_module_forward_pre_hook"):
-            original = getattr(nn_module, name)
-            if not getattr(original, "__piecewise_bumps__", False):
-                wrapped = _bumping(original, mark_handle=True)
-                setattr(nn_module, name, wrapped)
-                if getattr(nn_modules, name, None) is original:  # re-exported by torch.nn.modules
-                    setattr(nn_modules, name, wrapped)
+        install_module_patches(bump, _bumping, _watching_setattr, _removing)
         _installed = True
+
+
+def _release() -> None:
+    """One owner of the patches was freed; the last one takes them off (`install`)."""
+    global _installed, _owners
+    with _lock:
+        _owners -= 1
+        if _owners == 0 and _installed:
+            uninstall_module_patches()
+            _installed = False
 
 
 def _bumping(fn: Any, mark_handle: bool = False) -> Any:
