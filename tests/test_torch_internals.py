@@ -48,12 +48,18 @@ def _chain(node: ast.AST) -> list[str] | None:
 def private_torch_names(source: str) -> list[tuple[int, str]]:
     """(line, name) of every private torch name `source` uses: ``import torch._x``, ``from
     torch._x import y``, ``from torch.x import _y``, and attribute chains ``torch._x...`` (the
-    outermost of a chain only, so each use counts once)."""
+    outermost of a chain only, so each use counts once), also through a name an import bound to
+    a torch module (``from torch.nn.modules import module as m`` then ``m._global_forward_hooks``)."""
     tree = ast.parse(source)
     inner: set[int] = set()
+    aliases: dict[str, list[str]] = {"torch": ["torch"]}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             inner.add(id(node.value))
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name.split(".") for a in node.names if a.asname and a.name.split(".")[0] == "torch"})
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+            aliases.update({a.asname or a.name: [*node.module.split("."), a.name] for a in node.names})
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -66,8 +72,8 @@ def private_torch_names(source: str) -> list[tuple[int, str]]:
                 out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if _private([*mod, a.name])]
         elif isinstance(node, ast.Attribute) and id(node) not in inner:
             chain = _chain(node)
-            if chain is not None and _private(chain):
-                out.append((node.lineno, ".".join(chain)))
+            if chain is not None and chain[0] in aliases and _private([*aliases[chain[0]], *chain[1:]]):
+                out.append((node.lineno, ".".join([*aliases[chain[0]], *chain[1:]])))
     return out
 
 
@@ -102,6 +108,8 @@ def test_piecewise_torch_holds_what_the_count_looks_for():
     ("import torch.fx.experimental.symbolic_shapes", []),
     ("n = torch.__version__", []),
     ("from piecewise._torch import dynamo", []),
+    ("from torch.nn.modules import module as m\nh = m._global_forward_hooks", ["torch.nn.modules.module._global_forward_hooks"]),
+    ("from torch import nn\nf = nn.Module.__setattr__", []),
 ])
 def test_the_count_catches_what_it_is_for(source, expected):
     assert [name for _, name in private_torch_names(source)] == expected

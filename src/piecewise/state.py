@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from ._torch.dispatch import is_any_autocast_enabled
-from ._torch.nn import install_module_patches, uninstall_module_patches
+from ._torch.nn import global_forward_hooks, install_module_patches, uninstall_module_patches
 
 __all__ = ["epoch", "bump", "install", "watch", "watched", "note_read", "read_attributes", "describe", "diff",
            "TensorState", "CodeGuard", "plain_tensors", "check_plain_tensors", "MODULE_INTERNALS"]
@@ -352,13 +352,12 @@ def describe(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
     maps each tensor path to its ``data_ptr()``. Every module walked is watched (`watch`) for the
     names read on it: from then on an assignment to one of them moves the epoch. Cost: O(submodules + tensors + attributes): 1.3 ms for the
     8-layer reference decoder (91 tensors) on a busy 2-core machine, paid only when the epoch moved."""
-    from torch.nn.modules import module as nn_module
-
+    hooks, pre_hooks = global_forward_hooks()
     reads = _READ.get(module)
     read = None if reads is None else reads.paths
     layout: dict[str, Any] = {
         # hooks by their handle ids (unique and never reused, unlike id() of a freed function)
-        "<global forward hooks>": (tuple(nn_module._global_forward_hooks), tuple(nn_module._global_forward_pre_hooks)),
+        "<global forward hooks>": (tuple(hooks), tuple(pre_hooks)),
     }
     addresses: dict[str, int] = {}
     first: dict[int, str] = {}  # id -> first path of each tensor object

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 __all__ = ["install_module_patches", "uninstall_module_patches", "module_patches_installed", "MODULE_METHODS",
-           "GLOBAL_HOOK_FUNCTIONS"]
+           "GLOBAL_HOOK_FUNCTIONS", "global_forward_hooks"]
 
 #: ``nn.Module`` methods wrapped to move the epoch after they run
 MODULE_METHODS = ("_apply", "train", "register_forward_hook", "register_forward_pre_hook", "register_parameter",
@@ -44,6 +44,16 @@ _lock = threading.RLock()
 #: (owner, name, original, wrapper) of every attribute patched, and the registration-hook handles
 _patched: list[tuple[Any, str, Any, Any]] = []
 _handles: list[Any] = []
+
+
+def global_forward_hooks() -> tuple[dict[int, Any], dict[int, Any]]:
+    """torch's forward hooks and pre-hooks registered for every module
+    (``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``: handle id ->
+    hook, the live dicts). Why: a compiled model's state description holds them (the trace inlined
+    them), and the reference decoder refuses a model that would run one it cannot."""
+    from torch.nn.modules import module as nn_module
+
+    return nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks
 
 
 def _marked(fn: Any) -> bool:

@@ -892,14 +892,14 @@ def _check_no_forward_hooks(hf_model: nn.Module, skipped: set[int]) -> None:
     only, so the reference decoder would not run it and its tokens would silently differ. Hooks
     transformers installs itself that only record (`_HF_BENIGN_HOOKS`) pass; modules in `skipped`
     (layers the model's forward never runs) are not looked at."""
-    from torch.nn.modules import module as nn_module
+    from .._torch.nn import global_forward_hooks
 
+    hooks_of_all, pre_hooks_of_all = global_forward_hooks()
     cls_name = type(hf_model).__name__
     remedy = ("the reference decoder copies weights only and would not run it, so its tokens would differ from the "
               "model's. Remove the hook (its handle's .remove(); an instance-level forward: del module.forward) or put its change into the weights before from_hf, "
               "or serve the transformers model itself through pw.compile(model).generate(...), which runs it")
-    for kind, hooks in (("global forward hook", nn_module._global_forward_hooks),
-                        ("global forward pre-hook", nn_module._global_forward_pre_hooks)):
+    for kind, hooks in (("global forward hook", hooks_of_all), ("global forward pre-hook", pre_hooks_of_all)):
         for hook in hooks.values():
             if not _benign_hook(hook):
                 raise ConfigError(f"from_hf: a {kind} ({_hook_name(hook)}, torch.nn.modules.module."
