@@ -385,22 +385,10 @@ def partition_support() -> str | None:
     or None. Needs ``torch._inductor.config.graph_partition`` and ``custom_should_partition_ops``,
     ``torch._inductor.utils.set_customized_partition_wrappers`` (and the slot it sets) and
     ``torch._inductor.scheduler.Scheduler.should_partition``. Imports Inductor (~1.5 s the first
-    time in a process), so it runs only for that strategy."""
-    import torch
+    time in a process), so it runs only for that strategy (`piecewise._torch.inductor.partition_support`)."""
+    from ._torch.inductor import partition_support as missing_hooks
 
-    try:
-        from ._torch.inductor import config as inductor_config
-        from ._torch.inductor import scheduler, utils
-    except ImportError as e:  # a torch built without Inductor
-        return f"torch {torch.__version__} has no Inductor ({e})"
-    missing = [name for obj, attr, name in (
-        (inductor_config, "graph_partition", "torch._inductor.config.graph_partition"),
-        (inductor_config, "custom_should_partition_ops", "torch._inductor.config.custom_should_partition_ops"),
-        (utils, "set_customized_partition_wrappers", "torch._inductor.utils.set_customized_partition_wrappers"),
-        (utils, "_unstable_customized_partition_wrapper", "torch._inductor.utils._unstable_customized_partition_wrapper"),
-        (getattr(scheduler, "Scheduler", None), "should_partition", "torch._inductor.scheduler.Scheduler.should_partition"),
-    ) if not hasattr(obj, attr)]
-    return f"torch {torch.__version__} lacks {', '.join(missing)}" if missing else None
+    return missing_hooks()
 
 
 def _check_field_names(names: Any) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._lazy import lazy_names
 
-__all__ = ["size_oblivious_view_strides", "RUNTIME_MODULES", "COMPILER_MODULES", "ISA_PROBE_MODULES"]
+__all__ = ["size_oblivious_view_strides", "partition_support", "RUNTIME_MODULES", "COMPILER_MODULES", "ISA_PROBE_MODULES"]
 
 #: name -> where in Inductor it lives, each with why piecewise needs it.
 _NAMES = {
@@ -179,3 +179,27 @@ def size_oblivious_stride_orders() -> Iterator[None]:
         yield
     finally:
         ir.argsort_sym = original
+
+
+def partition_support() -> str | None:
+    """Why this torch cannot run ``split_strategy="inductor_partition"`` (the missing hooks named),
+    or None: Inductor's graph partitioning at custom ops needs ``torch._inductor.config.graph_partition``
+    and ``custom_should_partition_ops``, ``torch._inductor.utils.set_customized_partition_wrappers``
+    (and the slot it sets, ``_unstable_customized_partition_wrapper``) and
+    ``torch._inductor.scheduler.Scheduler.should_partition``, all present in torch 2.13.0 (CPU).
+    Imports Inductor (~1.5 s the first time in a process)."""
+    import torch
+
+    try:
+        from torch._inductor import config as inductor_config
+        from torch._inductor import scheduler, utils
+    except ImportError as e:  # a torch built without Inductor
+        return f"torch {torch.__version__} has no Inductor ({e})"
+    missing = [name for obj, attr, name in (
+        (inductor_config, "graph_partition", "torch._inductor.config.graph_partition"),
+        (inductor_config, "custom_should_partition_ops", "torch._inductor.config.custom_should_partition_ops"),
+        (utils, "set_customized_partition_wrappers", "torch._inductor.utils.set_customized_partition_wrappers"),
+        (utils, "_unstable_customized_partition_wrapper", "torch._inductor.utils._unstable_customized_partition_wrapper"),
+        (getattr(scheduler, "Scheduler", None), "should_partition", "torch._inductor.scheduler.Scheduler.should_partition"),
+    ) if not hasattr(obj, attr)]
+    return f"torch {torch.__version__} lacks {', '.join(missing)}" if missing else None
