@@ -47,6 +47,31 @@ def test_one_trace_serves_every_batch_and_length_cold_and_warm(name, first, tmp_
         _check_grid(warm, model, (3, 5), seed=2)
 
 
+#: batch 1..4 x length 1..17, 1-token decode included
+SDPA_GRID = [(b, t) for b in (1, 2, 3, 4) for t in (1, 2, 9, 17)]
+
+
+@pytest.mark.parametrize("first", [(2, 1), (1, 9)], ids=["first_decode", "first_prompt"])
+def test_one_trace_of_plain_sdpa_serves_every_batch_and_length_cold_and_warm(first, tmp_path):
+    """nanoGPT's plain ``F.scaled_dot_product_attention`` (no splitting op: one piece). Inductor
+    orders the attention inputs' strides (``[3C*T, d, 3C, 1]``) without a guard
+    (`piecewise._torch.inductor.size_oblivious_stride_orders`): a first call at one token compiles
+    (two strides tie there) and a first call at a prompt serves one token too. One trace, every
+    size, no size class; a warm process loads it, tracing and compiling nothing."""
+    torch.manual_seed(0)
+    model = MODELS["sdpa"]().eval()
+    cfg = CompilationConfig(max_num_tokens=64, cache_dir=str(tmp_path))
+    cm = pw.compile(model, cfg, dynamic_arg_dims={"input_ids": (0, 1)})
+    with counters.expect(dynamo_traces=1, compiler_invocations=1, recompiles=0, size_class_traces=0):
+        _check_grid_at(cm, model, [first, *SDPA_GRID], seed=1)
+    del cm
+    gc.collect()
+    torch._dynamo.reset()
+    warm = pw.compile(model, cfg, dynamic_arg_dims={"input_ids": (0, 1)})
+    with counters.expect(bundle_hits=1, dynamo_traces=0, compiler_invocations=0, recompiles=0, size_class_traces=0):
+        _check_grid_at(warm, model, [(1, 1), (4, 17), (3, 1), (2, 9)], seed=2)
+
+
 def test_size_classes_never_load_pieces_compiled_for_other_sizes(tmp_path, monkeypatch):
     """GQA by expand + reshape: a trace at one token of one sequence and a trace at one token of
     three have the same graph code, but the first's pieces were compiled under guards for batch 1

@@ -1,7 +1,8 @@
 """Decoders written the way users write them (not the project's reference models), for the tests of
 dynamic sizes: nanoGPT's ``[B, T, ...]`` attention, a fused-QKV layout with a causal mask built
 from ``T``, GQA with ``repeat_interleave`` and RoPE applied before the attention op. Each model's
-attention is a splitting op registered the way the docs show (a fake returning ``empty_like``)."""
+attention is a splitting op registered the way the docs show (a fake returning ``empty_like``),
+but nanoGPT's plain ``F.scaled_dot_product_attention`` (``sdpa``: one piece, no splitting op)."""
 
 from __future__ import annotations
 
@@ -227,4 +228,44 @@ class ExpandGQADecoder(nn.Module):
         return self.head(self.norm(x))
 
 
-MODELS = {"nanogpt": NanoGPT, "fused_qkv": FusedQKV, "gqa_rope": GQADecoder, "expand_gqa": ExpandGQADecoder}
+class SDPABlock(nn.Module):
+    """nanoGPT's ``CausalSelfAttention`` as written there: no splitting op, plain
+    ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on ``view(B, T, h, d).transpose(1, 2)``
+    of a split, then ``transpose(1, 2).contiguous().view(B, T, C)`` (the graph is one piece)."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(self.ln1(x)).split(C, dim=2)
+        k = k.view(B, T, self.h, C // self.h).transpose(1, 2)
+        q = q.view(B, T, self.h, C // self.h).transpose(1, 2)
+        v = v.view(B, T, self.h, C // self.h).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln2(x))))
+
+
+class SDPAGPT(nn.Module):
+    def __init__(self, vocab: int = 256, d: int = 32, h: int = 4, n_layer: int = 1, max_len: int = 64) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(SDPABlock(d, h) for _ in range(n_layer))
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        T = input_ids.size(1)
+        x = self.wte(input_ids) + self.wpe(torch.arange(0, T, dtype=torch.long, device=input_ids.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln_f(x))
+
+
+MODELS = {"nanogpt": NanoGPT, "fused_qkv": FusedQKV, "gqa_rope": GQADecoder, "expand_gqa": ExpandGQADecoder,
+          "sdpa": SDPAGPT}
