@@ -1,9 +1,10 @@
 """Warm-start bundles: rebuild a compiled model without running Dynamo (docs/design.md §5.5).
 
-A cold start saves, next to the piece artifacts, one *bundle* per tag: Dynamo's transformed
-bytecode with its runtime globals and serialisable guards (`piecewise.trace`), the split module
-and its pieces (FX graphs without metadata, `torch.fx._graph_pickler.GraphPickler`), the stitching
-plan (`PiecewiseBackend.plan`) and the sha256 of every traced source file. A warm start finds it
+A cold start saves, next to the piece artifacts, one *bundle* per tag, a `CompiledArtifact`: Dynamo's
+transformed bytecode with its runtime globals and serialisable guards (`piecewise.trace`), the split
+module and its pieces (FX graphs without metadata, `torch.fx._graph_pickler.GraphPickler`), the
+stitching plan (`PiecewiseBackend.plan`) and the sha256 of every traced source file. `WarmStart` is
+the lookup policy over those artifacts (which entries, in which order, what a miss reports). A warm start finds it
 *before* tracing, under the *start key*: everything known before a trace - piecewise, torch and
 Python versions, allow-listed environment, code-changing config, compiler hash, splitting ops, the
 call's signature (`CallSignature.describe`), the forward's qualified name and a fingerprint of the
@@ -70,7 +71,7 @@ from .split import SplitResult
 from .state import autocast_state, storage_owner
 from .trace import GuardsNotBuilt, Trace, Unrecordable, changed_globals, identity, rebuild
 
-__all__ = ["BUNDLE_FORMAT", "BUNDLE", "WarmStart", "start_factors", "module_fingerprint", "encode_bundle", "decode_bundle",
+__all__ = ["BUNDLE_FORMAT", "BUNDLE", "CompiledArtifact", "WarmStart", "start_factors", "module_fingerprint", "encode_bundle", "decode_bundle",
            "stale_sources"]
 
 log = logging.getLogger("piecewise")
@@ -302,6 +303,138 @@ def stale_sources(recorded: Mapping[str, str]) -> list[str]:
     return [fn for fn, digest in recorded.items() if now.get(fn) != digest]
 
 
+@dataclasses.dataclass
+class CompiledArtifact:
+    """One compiled region as saved for a warm start (the *bundle*): what the trace, the plan and the
+    pieces are. A cold start builds it from its trace (`of`) and saves it; a warm start loads it
+    (`load`), validates it (`stale`, `trace`) and restores the compiled forward from it (`restore`).
+    The piece artifacts themselves stay in the compile entry the plan names (`CompiledPlan.cache_key`).
+
+    Attributes:
+        split_module: the traced graph split at the splitting ops (a `torch.fx.GraphModule` whose
+            submodules are the pieces' FX graphs, without metadata); loaded, it has no runners.
+        plan: the stitching plan (`piecewise.compiled.CompiledPlan`: runners, sizes, size refusal,
+            compile entry).
+        dynamo: Dynamo's half of the trace (`piecewise.trace.Trace.dynamo_state`: transformed
+            bytecode, runtime globals, saved guards, recorded values of the globals it read).
+        sources: sha256 (hex) of every traced source file, by path.
+        modules: the file each traced module came from, by module name.
+        piece_names: the runners installed in `split_module`'s ``__dict__`` (left out when saved,
+            rebuilt from `plan` at load); empty for a loaded artifact.
+
+    Saved as a pickled dict of format `BUNDLE_FORMAT` (the graphs by
+    ``torch.fx._graph_pickler.GraphPickler``); a bundle of another format does not load.
+    """
+
+    split_module: torch.fx.GraphModule
+    plan: CompiledPlan
+    dynamo: bytes
+    sources: dict[str, str]
+    modules: dict[str, str]
+    piece_names: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, backend: PiecewiseBackend, cap: Trace) -> CompiledArtifact:
+        """The artifact of a cold start: `backend`'s split and plan after tracing `cap`.
+
+        Raises:
+            ValueError, RuntimeError, pickle.PicklingError: the trace cannot be saved
+                (`Trace.dynamo_state`).
+        """
+        plan = backend.plan()
+        return cls(backend.split.split_module, plan, cap.dynamo_state(), file_hashes(backend.traced_files),
+                   traced_modules(cap.traced_code), [it.name for it in backend.split.items])
+
+    def save(self) -> bytes:
+        """The bundle bytes. The split module is pickled without its installed runners.
+
+        Raises:
+            Exception: a graph cannot be pickled (an op or constant GraphPickler does not support).
+        """
+        from ._torch.fx import GraphPickler
+
+        split_module, plan = self.split_module, self.plan
+        installed = {n: split_module.__dict__.pop(n) for n in self.piece_names if n in split_module.__dict__}
+        # Compiled pieces of one fingerprint (a model's repeated layers) run the same artifact and differ
+        # only in placeholder names: the bundle holds one graph for them all, which the decode shares
+        # (62 piece graphs of SmolLM2 unpickle as 32).
+        first: dict[str, str] = {}
+        children = split_module._modules
+        shared = {}
+        for spec in plan.runners:
+            owner = first.setdefault(spec.fingerprint, spec.name)
+            if owner != spec.name and spec.name in children and owner in children:
+                shared[spec.name] = children[spec.name]
+                children[spec.name] = children[owner]
+        try:
+            graphs = GraphPickler.dumps(split_module, _graph_options())
+        finally:
+            children.update(shared)
+            split_module.__dict__.update(installed)
+        body = {"format": BUNDLE_FORMAT, "graphs": graphs, "plan": plan, "dynamo": self.dynamo, "sources": self.sources,
+                "modules": self.modules}
+        buf = io.BytesIO()
+        pickle.dump(body, buf, protocol=pickle.HIGHEST_PROTOCOL)
+        return buf.getvalue()
+
+    @classmethod
+    def load(cls, data: bytes) -> CompiledArtifact:
+        """The artifact saved as `data` (`save`), its split module unpickled (a fresh
+        `torch.fx.GraphModule` whose submodules are the pieces).
+
+        Raises:
+            ValueError: not a bundle of this format.
+            Exception: anything unpickling raises (callers treat it as a damaged bundle).
+        """
+        from ._torch.fx import GraphPickler
+        from ._torch.subclasses import FakeTensorMode
+
+        body = pickle.loads(data)
+        if not isinstance(body, dict) or body.get("format") != BUNDLE_FORMAT:
+            raise ValueError("not a piecewise warm-start bundle of this format")
+        gm = GraphPickler.loads(body["graphs"], FakeTensorMode())
+        # Unpickled graph modules have no generated forward yet: the split module needs it now; a
+        # piece gets it when something runs it (`fx_forward`), so Inductor pieces never pay for it.
+        # GraphModule.recompile also regenerates every submodule (~5 ms a piece): shadowed here.
+        gm._recompile_submodules = list
+        try:
+            gm.recompile()
+        finally:
+            del gm._recompile_submodules
+        return cls(gm, body["plan"], body["dynamo"], body["sources"], body["modules"])
+
+    def stale(self) -> str:
+        """Why the traced code is not the code of this process ('' when it is): a traced source file
+        gone or edited, or a traced module imported from another file (or not at all)."""
+        stale = stale_sources(self.sources)
+        if stale:
+            return f"traced source {stale[0]} changed since the bundle was made"
+        moved = moved_modules(self.modules)
+        return f"module {moved[0]}" if moved else ""
+
+    def trace(self, forward: types.FunctionType) -> Trace:
+        """The saved trace rebuilt against `forward` (`piecewise.trace.rebuild`; no compiled graph yet).
+
+        Raises:
+            GuardsNotBuilt: the guards cannot be built in this process.
+            Exception: see `rebuild`.
+        """
+        return rebuild(self.dynamo, None, forward)
+
+    def restore(self, backend: PiecewiseBackend, compile_entry: CacheEntry) -> Any:
+        """The compiled graph: `backend` restored from the plan, its pieces loaded from `compile_entry`.
+
+        Raises:
+            CompileError: a piece artifact is missing or bad (already reported).
+        """
+        split = SplitResult.from_module(self.split_module, list(self.plan.splitting))
+        return backend.restore(split, self.plan, compile_entry)
+
+    def variant(self, global_values: Mapping[str, Any]) -> str:
+        """`bundle_variant` of this artifact, given its trace's recorded global values."""
+        return bundle_variant(self.sources, self.modules, global_values, size_class(self.plan))
+
+
 def _graph_options():
     from ._torch.fx import GraphPicklerOptions as Options
 
@@ -311,63 +444,26 @@ def _graph_options():
 
 def encode_bundle(split_module: torch.fx.GraphModule, piece_names: list[str], plan: CompiledPlan, dynamo: bytes,
                   sources: dict[str, str], modules: dict[str, str]) -> bytes:
-    """The bundle bytes. `split_module` is pickled without the runners installed in its
-    ``__dict__`` (names in `piece_names`); they are rebuilt from `plan` at load.
+    """The bundle bytes (`CompiledArtifact.save`). `split_module` is pickled without the runners
+    installed in its ``__dict__`` (names in `piece_names`); they are rebuilt from `plan` at load.
 
     Raises:
         Exception: a graph cannot be pickled (an op or constant GraphPickler does not support).
     """
-    from ._torch.fx import GraphPickler
-
-    installed = {n: split_module.__dict__.pop(n) for n in piece_names if n in split_module.__dict__}
-    # Compiled pieces of one fingerprint (a model's repeated layers) run the same artifact and differ
-    # only in placeholder names: the bundle holds one graph for them all, which the decode shares
-    # (62 piece graphs of SmolLM2 unpickle as 32).
-    first: dict[str, str] = {}
-    children = split_module._modules
-    shared = {}
-    for spec in plan.runners:
-        owner = first.setdefault(spec.fingerprint, spec.name)
-        if owner != spec.name and spec.name in children and owner in children:
-            shared[spec.name] = children[spec.name]
-            children[spec.name] = children[owner]
-    try:
-        graphs = GraphPickler.dumps(split_module, _graph_options())
-    finally:
-        children.update(shared)
-        split_module.__dict__.update(installed)
-    body = {"format": BUNDLE_FORMAT, "graphs": graphs, "plan": plan, "dynamo": dynamo, "sources": sources,
-            "modules": modules}
-    buf = io.BytesIO()
-    pickle.dump(body, buf, protocol=pickle.HIGHEST_PROTOCOL)
-    return buf.getvalue()
+    return CompiledArtifact(split_module, plan, dynamo, sources, modules, list(piece_names)).save()
 
 
 def decode_bundle(data: bytes) -> dict[str, Any]:
-    """The bundle's fields, with ``split_module`` unpickled (a fresh `torch.fx.GraphModule` whose
-    submodules are the pieces).
+    """The bundle's fields as a dict (`CompiledArtifact.load`): ``split_module``, ``plan``,
+    ``dynamo``, ``sources``, ``modules`` and ``format``.
 
     Raises:
         ValueError: not a bundle of this format.
         Exception: anything unpickling raises (callers treat it as a damaged bundle).
     """
-    from ._torch.subclasses import FakeTensorMode
-    from ._torch.fx import GraphPickler
-
-    body = pickle.loads(data)
-    if not isinstance(body, dict) or body.get("format") != BUNDLE_FORMAT:
-        raise ValueError("not a piecewise warm-start bundle of this format")
-    gm = GraphPickler.loads(body.pop("graphs"), FakeTensorMode())
-    # Unpickled graph modules have no generated forward yet: the split module needs it now; a
-    # piece gets it when something runs it (`fx_forward`), so Inductor pieces never pay for it.
-    # GraphModule.recompile also regenerates every submodule (~5 ms a piece): shadowed here.
-    gm._recompile_submodules = list
-    try:
-        gm.recompile()
-    finally:
-        del gm._recompile_submodules
-    body["split_module"] = gm
-    return body
+    art = CompiledArtifact.load(data)
+    return {"format": BUNDLE_FORMAT, "split_module": art.split_module, "plan": art.plan, "dynamo": art.dynamo,
+            "sources": art.sources, "modules": art.modules}
 
 
 class _Laps:
@@ -610,7 +706,7 @@ class WarmStart:
             backend.adaptor.prepare(entry.index["meta"].get("device", "cpu"), entry.root)
             lap("prepare")
             try:
-                why, body, cap = self._check(entry, args, kwargs, lap)
+                why, artifact, cap = self._check(entry, args, kwargs, lap)
             except Exception as e:  # damaged beyond the checksum (or written by another build): report, set aside
                 entry.reject_artifact(BUNDLE, f"warm-start bundle does not load ({type(e).__name__}: {e})")
                 why = "the bundle is damaged"
@@ -620,15 +716,14 @@ class WarmStart:
         else:
             return "; ".join(reasons)
         self.entry = entry
-        plan = body["plan"]
+        plan = artifact.plan
         if not isinstance(plan, CompiledPlan) or plan.cache_key != entry.index["meta"].get("compile_key"):
             raise ValueError("the bundle and its index name different compile entries")
         compile_entry = CacheEntry(entry.root, plan.cache_key, self.tag, rank=self.rank, remote=self.remote)
         if not compile_entry.open(dict(plan.cache_meta or {})):
             return f"its compile entry {plan.cache_key} is gone"
         try:
-            split = SplitResult.from_module(body["split_module"], list(plan.splitting))
-            cap.compiled_fn = backend.restore(split, plan, compile_entry)
+            cap.compiled_fn = artifact.restore(backend, compile_entry)
         except CompileError as e:  # a piece artifact is missing or bad (already reported)
             return str(e)
         except Exception as e:
@@ -643,8 +738,8 @@ class WarmStart:
             pass
         return ""
 
-    def _check(self, entry: Any, args: tuple, kwargs: dict, lap: _Laps) -> tuple[str, Any, Any]:
-        """Decode one bundle and validate it for this process and call: ``(why not, body, capture)``.
+    def _check(self, entry: Any, args: tuple, kwargs: dict, lap: _Laps) -> tuple[str, CompiledArtifact | None, Any]:
+        """Load one bundle and validate it for this process and call: ``(why not, artifact, trace)``.
 
         Raises:
             Exception: the bundle does not decode (damaged, or written by another build).
@@ -653,17 +748,14 @@ class WarmStart:
         payload = entry.load_artifact(BUNDLE)
         if payload is None:
             return "the bundle entry has no usable bundle", None, None
-        body = decode_bundle(payload)
+        artifact = CompiledArtifact.load(payload)
         lap("decode")
-        stale = stale_sources(body["sources"])
+        stale = artifact.stale()
         if stale:
-            return f"traced source {stale[0]} changed since the bundle was made", None, None
-        moved = moved_modules(body["modules"])
-        if moved:
-            return f"module {moved[0]}", None, None
+            return stale, None, None
         unbuilt = ""
         try:
-            cap = rebuild(body["dynamo"], None, self.subject.forward_fn)
+            cap = artifact.trace(self.subject.forward_fn)
         except GuardsNotBuilt as e:  # intact, made for processes unlike this one: a miss, nothing set aside
             cap, unbuilt = e.trace, str(e)
         changed = changed_globals(cap, self.subject.forward_fn)
@@ -676,7 +768,7 @@ class WarmStart:
         if not cap.guard_manager.check(f_locals):
             failed = cap.guard_manager.check_verbose(f_locals).verbose_code_parts
             return f"a guard of the bundle fails for this instance or call ({failed[0] if failed else '?'})", None, None
-        return "", body, cap
+        return "", artifact, cap
 
     def save(self, backend: Any, cap: Any) -> None:
         """After a trace: write the bundle for the next process (logged when it cannot be), then
@@ -685,14 +777,13 @@ class WarmStart:
         if backend.cache is None or not backend.cache.writable:
             return
         try:
-            plan = backend.plan()
-            sources, modules = file_hashes(backend.traced_files), traced_modules(cap.traced_code)
-            data = encode_bundle(backend.split.split_module, [it.name for it in backend.split.items], plan,
-                                 cap.dynamo_state(), sources, modules)
+            artifact = CompiledArtifact.of(backend, cap)
+            data = artifact.save()
         except Exception as e:
             log.info("[%s] no warm-start bundle saved: %s: %s", self.tag, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return
-        key = f"{self.key}-{bundle_variant(sources, modules, cap.global_values, size_class(plan))}"
+        plan = artifact.plan
+        key = f"{self.key}-{artifact.variant(cap.global_values)}"
         entry = CacheEntry(self.root, key, self.tag, rank=self.rank)
         entry.open(None)  # permissions (an unsafe directory is neither read nor written)
         entry.remote = self.remote  # published at its commit (not pulled: this process writes it)
