@@ -682,12 +682,49 @@ class GenerationRoute:
                                  f"0..{vocab - 1} (the input embedding's rows); tokenize with the model's own tokenizer")
 
     def _step(self, kwargs: dict, input_ids: torch.Tensor, cache: Any, continuing: bool) -> Any:
+        """One forward of the model through the route's compiled steps (what ``model.forward`` is
+        while compiled generate() runs): checks, the KV-valid mask and positions, the step run, the
+        output as transformers reads it.
+
+        Raises:
+            InputError: a call the route cannot serve (see `_check_call`, `_fill_valid`).
+            ConfigError: the model changed since the first call (`_check_model_unchanged`).
+        """
         batch, new = input_ids.shape
         past = self._past_for(cache)
         if past == 0:  # a sequence's first step (its prompt): what `check_generate` checks for generate(), for
             self._check_vocabulary(input_ids)  # model.forward = compiled and hand-written loops (one read a sequence)
             if self._config_values is not None:
                 self._follow_config()
+        self._check_call(batch, new, past, continuing)
+        self._check_model_unchanged()
+        keep = kwargs.get("logits_to_keep", 0)
+        last_only = isinstance(keep, int) and not isinstance(keep, bool) and keep == 1
+        compiled = self._ensure_compiled(input_ids.device, last_only, decode=new == 1 and last_only)
+        decode_step = compiled is self.compiled.get((True, True))  # the decode step with graphs
+        total = past + new
+        valid = self._fill_valid(kwargs.get("attention_mask"), input_ids, past, total)
+        if past == 0 and self._graphs_apply(input_ids.device) and self._decode_graph_mode() != "piecewise":
+            self._clear_past_prompt(batch, total)
+        write_pos = self._write_positions(decode_step, past, total, input_ids.device)
+        position_ids = self._position_ids(kwargs.get("position_ids"), valid[:batch, :total], past, input_ids)
+        compiled, logits = self._run_step(compiled, decode_step, input_ids, position_ids, write_pos, past, last_only)
+        result = getattr(getattr(compiled, "backend", None), "result", None)
+        if self._verified.get(id(compiled)) is not result:
+            self._check_layers_reach_cache(compiled)
+            self._verified[id(compiled)] = result
+        self._past = total if cache is not None else 0
+        if past == 0:
+            self._past_batch = batch
+        return self._step_output(logits, keep, last_only, cache, kwargs)
+
+    def _check_call(self, batch: int, new: int, past: int, continuing: bool) -> None:
+        """Refuse a call the route's cache cannot serve: new tokens on a filled cache, another batch
+        on a continued cache, more sequences than slots, more positions than the cache holds.
+
+        Raises:
+            InputError: naming the case and the remedy.
+        """
         if continuing and past > 0 and new > 1:
             # generate() feeds one token a row after the prompt; more tokens on a cache object this
             # route already filled means transformers re-feeds or verifies tokens (past_key_values
@@ -711,6 +748,13 @@ class GenerationRoute:
         if past + new > self.max_model_len:
             raise InputError(f"[{self.tag}] {past + new} positions (prompt plus generated tokens) do not fit the KV cache of "
                              f"{self._length_limit} the prompt / max_new_tokens")
+
+    def _check_model_unchanged(self) -> None:
+        """Refuse a model whose layers, dtype or device changed since the step's KV cache was made.
+
+        Raises:
+            ConfigError: naming the change and the remedy (compile again).
+        """
         if self.step is not None and getattr(self.model.config, "num_hidden_layers", 0) > self.step.num_layers:
             # layers added after the first call (fewer layers use fewer of the caches, and are served)
             raise ConfigError(f"[{self.tag}] the model's config now has num_hidden_layers="
@@ -725,13 +769,17 @@ class GenerationRoute:
                 raise ConfigError(f"[{self.tag}] the model's parameters are now {param.dtype} on {param.device}, but "
                                   f"piecewise's generation KV cache was made {cache_0.dtype} on {cache_0.device} at the "
                                   "first call; compile the model again after casting or moving it (pw.compile(model, ...))")
-        keep = kwargs.get("logits_to_keep", 0)
-        last_only = isinstance(keep, int) and not isinstance(keep, bool) and keep == 1
-        compiled = self._ensure_compiled(input_ids.device, last_only, decode=new == 1 and last_only)
-        decode_step = compiled is self.compiled.get((True, True))  # the decode step with graphs
-        total = past + new
+
+    def _fill_valid(self, mask: Any, input_ids: torch.Tensor, past: int, total: int) -> torch.Tensor:
+        """`kv_valid` filled for this call from transformers' `attention_mask` (2-D, 4-D, per layer
+        type, or None): which of the first `total` positions of each row are real tokens.
+
+        Raises:
+            InputError: a mask that does not cover the positions, a 4-D mask the step does not
+                attend (`_check_4d_mask`), or a row with no real token.
+        """
+        batch = input_ids.shape[0]
         valid = self.kv_valid
-        mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):  # one mask per layer type; full attention only (the route refuses others)
             mask = mask.get("full_attention", next(iter(mask.values()), None))
         if mask is not None and mask.dim() == 2 and mask.shape[1] == total:
@@ -762,25 +810,42 @@ class GenerationRoute:
                              "padding): no output of that row means anything; drop the row, or give it a token (a BOS). "
                              "(generate(prefill_chunk_size=...) gives a left-padded row such a first chunk: generate "
                              "without it)")
-        if past == 0 and self._graphs_apply(input_ids.device) and self._decode_graph_mode() != "piecewise":
-            # A full-graph decode step attends every cache position, the ones past a row's length
-            # under a -inf mask: a stale non-finite key or value there (an earlier generation's
-            # overflow) would make the row NaN (0 * inf), where pieces cut the cache at the
-            # length. So a generation clears the rows it uses past its prompt, once, at its prompt.
-            for c in (*self.step.caches()[0], *self.step.caches()[1]):
-                c[:batch, :, total:].zero_()
+        return valid
+
+    def _clear_past_prompt(self, batch: int, total: int) -> None:
+        """A full-graph decode step attends every cache position, the ones past a row's length
+        under a -inf mask: a stale non-finite key or value there (an earlier generation's overflow)
+        would make the row NaN (0 * inf), where pieces cut the cache at the length. So a generation
+        clears the rows it uses past its prompt, once, at its prompt."""
+        for c in (*self.step.caches()[0], *self.step.caches()[1]):
+            c[:batch, :, total:].zero_()
+
+    def _write_positions(self, decode_step: bool, past: int, total: int, device: torch.device) -> torch.Tensor:
+        """The cache positions this call writes: the decode step with graphs reads one tensor in place."""
         if decode_step:  # graphs read it in place: one tensor, filled
             write_pos = self.decode_write_pos
             write_pos.fill_(past)
         else:
-            write_pos = torch.arange(past, total, device=input_ids.device)
-        position_ids = kwargs.get("position_ids")
+            write_pos = torch.arange(past, total, device=device)
+        return write_pos
+
+    def _position_ids(self, position_ids: Any, valid: torch.Tensor, past: int, input_ids: torch.Tensor) -> torch.Tensor:
+        """transformers' `position_ids` as int64, or the route's own from `valid` when none are passed."""
         if isinstance(position_ids, torch.Tensor) and position_ids.dtype != torch.int64 and not (
                 position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool):
             # int64, as input_ids: eager takes any integer dtype, and a step traced for one refused the other
             position_ids = position_ids.to(torch.int64)
         if position_ids is None:  # generate() passes them; a plain forward may not
-            position_ids = self._default_positions(valid[:batch, :total], past, input_ids)
+            position_ids = self._default_positions(valid, past, input_ids)
+        return position_ids
+
+    def _run_step(self, compiled: Any, decode_step: bool, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  write_pos: torch.Tensor, past: int, last_only: bool) -> tuple[Any, torch.Tensor]:
+        """Run the step: the decode step with graphs when it serves this batch, else a general step.
+        Returns the step that ran and its logits."""
+        batch, new = input_ids.shape
+        total = past + new
+        valid = self.kv_valid
         # ``model.forward`` is the compiled model while generate() runs: take it off for the step, so
         # the trace (and its saved guards) see the model as it is outside generate().
         assigned = self.model.__dict__.pop("forward", None)
@@ -821,13 +886,10 @@ class GenerationRoute:
             _step_attention.reset(step_token)
             if assigned is not None:
                 self.model.__dict__["forward"] = assigned
-        result = getattr(getattr(compiled, "backend", None), "result", None)
-        if self._verified.get(id(compiled)) is not result:
-            self._check_layers_reach_cache(compiled)
-            self._verified[id(compiled)] = result
-        self._past = total if cache is not None else 0
-        if past == 0:
-            self._past_batch = batch
+        return compiled, logits
+
+    def _step_output(self, logits: torch.Tensor, keep: Any, last_only: bool, cache: Any, kwargs: dict) -> Any:
+        """The step's output as transformers reads it: the logits it keeps (`logits_to_keep`), the cache."""
         if not last_only and isinstance(keep, int) and keep > 0:
             logits = logits[:, -keep:]
         elif isinstance(keep, torch.Tensor):  # positions to keep, as transformers reads a tensor

@@ -159,6 +159,27 @@ def greedy_decode(
     """
     _check_prompts_shape(prompts)
     limits = _counts("max_new_tokens", max_new_tokens, len(prompts), low=1)
+    _check_token_ids(prompts)
+    arrivals = (_counts("arrival_steps", list(arrival_steps), len(prompts), low=None) if arrival_steps is not None
+                else [2 * i for i in range(len(prompts))])
+    owner = _cache_owner(forward)
+    if config is None:  # the model itself: its slots bound the loop's (a model with fewer slots failed mid-run)
+        config = getattr(owner, "config", None)
+    max_num_seqs = _cache_slots(prompts, limits, config, max_num_seqs, max_seq_len)
+    max_num_tokens = _token_budget(forward, max_num_tokens)
+    eos = _eos_ids(eos_token_ids)
+    if device is None:
+        device = _model_device(owner)
+
+    with _running(owner):
+        if reset is not None:
+            reset()
+        return _serve(forward, prompts, limits, arrivals, max_num_seqs, device, eos, max_num_tokens, compute_logits)
+
+
+def _check_token_ids(prompts: Sequence[Sequence[int]]) -> None:
+    """InputError unless every prompt is non-empty and holds integers (ints, numpy integers and 0-d
+    integer tensors; a float id used to be truncated silently)."""
     if any(len(p) == 0 for p in prompts):
         raise InputError("every prompt needs at least one token; drop empty prompts")
     for i, p in enumerate(prompts):
@@ -168,17 +189,19 @@ def greedy_decode(
             except TypeError:
                 raise InputError(f"prompt {i} holds {t!r} ({type(t).__name__}); token ids are integers, as the "
                                  "model's tokenizer returns them") from None
-    arrivals = (_counts("arrival_steps", list(arrival_steps), len(prompts), low=None) if arrival_steps is not None
-                else [2 * i for i in range(len(prompts))])
+
+
+def _cache_slots(prompts: Sequence[Sequence[int]], limits: list[int], config: Any, max_num_seqs: int | None,
+                 max_seq_len: int | None) -> int:
+    """The sequence slots of a run (`max_num_seqs`, bounded by and defaulting to `config`'s KV cache,
+    else 8), after checking every prompt against `config`'s vocabulary and every request against
+    the positions per sequence (`max_seq_len`, likewise bounded by `config`'s), before anything is
+    compiled.
+
+    Raises:
+        InputError: see `greedy_decode` (vocabulary, slots, positions).
+    """
     where = "the max_seq_len argument"
-    owner = _cache_owner(forward)
-    if config is None:  # the model itself: its slots bound the loop's (a model with fewer slots failed mid-run)
-        config = getattr(owner, "config", None)
-    # a pw.compile'd forward: its CompilationConfig's budget (a larger step failed mid-run)
-    budget = getattr(getattr(forward, "config", None), "max_num_tokens", None)
-    budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
-    if max_num_tokens is None:
-        max_num_tokens = budget
     if config is not None:
         name = type(config).__name__
         vocab = getattr(config, "vocab_size", None)
@@ -203,6 +226,21 @@ def greedy_decode(
                     f"request {i} needs {len(p) + n - 1} positions (a prompt of {len(p)} tokens + max_new_tokens={n} "
                     f"- 1) but max_seq_len={max_seq_len} ({where}); shorten the prompt or max_new_tokens, or build "
                     "the model with a larger max_seq_len")
+    return max_num_seqs
+
+
+def _token_budget(forward: Forward, max_num_tokens: Any) -> int | None:
+    """The most tokens one step may feed: `max_num_tokens` (numpy and 0-d tensor integers taken),
+    by default and at most a pw.compile'd `forward`'s own ``CompilationConfig.max_num_tokens``.
+
+    Raises:
+        InputError: not a positive integer, or above the compiled budget.
+    """
+    # a pw.compile'd forward: its CompilationConfig's budget (a larger step failed mid-run)
+    budget = getattr(getattr(forward, "config", None), "max_num_tokens", None)
+    budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
+    if max_num_tokens is None:
+        max_num_tokens = budget
     if max_num_tokens is not None and not isinstance(max_num_tokens, (bool, int)):
         try:  # numpy and 0-d tensor integers, as for max_new_tokens
             max_num_tokens = operator.index(max_num_tokens)
@@ -216,15 +254,13 @@ def greedy_decode(
                          f"max_num_tokens={budget}: a step of more tokens would fail mid-run. Pass max_num_tokens <= "
                          f"{budget} (or leave it out: the compiled budget is the default), or compile with a larger "
                          "max_num_tokens")
-    eos = _eos_ids(eos_token_ids)
-    if device is None:
-        held = next(itertools.chain(owner.buffers(), owner.parameters()), None) if isinstance(owner, torch.nn.Module) else None
-        device = held.device if held is not None else "cpu"
+    return max_num_tokens
 
-    with _running(owner):
-        if reset is not None:
-            reset()
-        return _serve(forward, prompts, limits, arrivals, max_num_seqs, device, eos, max_num_tokens, compute_logits)
+
+def _model_device(owner: Any) -> torch.device | str:
+    """The device of the model `owner` (its first buffer's, else parameter's), else the CPU."""
+    held = next(itertools.chain(owner.buffers(), owner.parameters()), None) if isinstance(owner, torch.nn.Module) else None
+    return held.device if held is not None else "cpu"
 
 
 def _check_prompts_shape(prompts: Any) -> None:
