@@ -264,7 +264,7 @@ def cli(page: str) -> str:
 LAYER_NOTES = {
     "_torch": "torch internals: private names and patches, one module per torch subsystem",
     "targets": "`CompileRange`, `CompileTarget`",
-    "fingerprint": "the one code digest and the one data digest",
+    "fingerprint": "the one code digest, the one data digest and the one describer of Python values for keys",
     "passes": "the pass manager and the built-in passes",
     "config": "`CompilationConfig`",
     "split": "cutting the FX graph",
@@ -276,7 +276,8 @@ LAYER_NOTES = {
     "compiled": "`CompiledForward`, `CompiledPlan`, `StitchedForward`",
     "backend": "the Dynamo backend",
     "trace": "the Dynamo trace and its saved form",
-    "warmstart": "bundles: the warm start sits above the store and the backend, not inside the cache",
+    "warmstart": "bundles (`CompiledArtifact`) and the lookup over them: the warm start sits above the store and the "
+                 "backend, not inside the cache",
     "api": "`pw.compile`, guard-free dispatch",
     "serving": "the serving engine: `llama` (the reference decoder), `decode` (the continuous-batching loop), "
                "`triton_attention`, `tensor_parallel`",
