@@ -65,7 +65,7 @@ class Counters(_Tally):
 
     Examples:
         >>> import torch, piecewise as pw
-        >>> compiled = pw.compile(torch.nn.Linear(4, 4), pw.CompilationConfig(backend="eager"),
+        >>> compiled = pw.compile(torch.nn.Linear(4, 4), pw.CompilationConfig(backend="eager", tag="counted"),
         ...                       dynamic_arg_dims={"input": 0})
         >>> with pw.counters.expect(dynamo_traces=1):
         ...     _ = compiled(torch.randn(3, 4))        # the first call traces

@@ -38,7 +38,7 @@ class ConfigError(PiecewiseError, ValueError):
 
     Examples:
         >>> import torch, piecewise as pw
-        >>> pw.compile(torch.nn.Linear(2, 2), pw.CompilationConfig(backend="no_such"))
+        >>> pw.compile(torch.nn.ReLU(), pw.CompilationConfig(backend="no_such"))
         Traceback (most recent call last):
             ...
         piecewise.errors.ConfigError: backend='no_such' is not a registered compiler adaptor; known: [...]; register one with piecewise.compilers.register_adaptor
@@ -73,15 +73,15 @@ class SizeRefusedError(InputError):
         >>> class Gate(torch.nn.Module):
         ...     def forward(self, x):
         ...         return x * 2 if x.shape[0] == 1 else x + 1
-        >>> compiled = pw.compile(Gate(), pw.CompilationConfig(backend="eager", max_size_classes=1),
+        >>> compiled = pw.compile(Gate(), pw.CompilationConfig(backend="eager", max_size_classes=1, tag="gate"),
         ...                       dynamic_arg_dims={"x": 0})
         >>> compiled(torch.ones(3, 2)).shape     # traced at 3 rows: serves 2..512 rows
         torch.Size([3, 2])
         >>> try:
         ...     compiled(torch.ones(1, 2))
         ... except pw.SizeRefusedError as e:
-        ...     print(str(e)[:60])
-        [Gate] x.shape[0] = 1 refused: the trace took Ne(x.shape[0],
+        ...     print(str(e)[:58])
+        [gate] x.shape[0] = 1 refused: the trace took Ne(x.shape[0
     """
 
 
@@ -125,7 +125,8 @@ class GuardFailureError(PiecewiseError):
         >>> class Gate(torch.nn.Module):
         ...     def forward(self, x):
         ...         return x * 2 if x.shape[0] == 1 else x + 1
-        >>> compiled = pw.compile(Gate(), pw.CompilationConfig(backend="eager", debug=True), dynamic_arg_dims={"x": 0})
+        >>> compiled = pw.compile(Gate(), pw.CompilationConfig(backend="eager", debug=True, tag="gate_debug"),
+        ...                       dynamic_arg_dims={"x": 0})
         >>> _ = compiled(torch.ones(3, 2))
         >>> try:
         ...     compiled(torch.ones(1, 2))      # debug=True checks every guard of the trace on each call
