@@ -35,6 +35,7 @@ GPU_GENERATION = "gpu-*-generation.json"  # ... --device cuda
 GPU_DECODE = "gpu-*-decode*.json"  # python -m piecewise.bench.gpu_decode
 GPU_OVERHEAD = "gpu-*-overhead.json"  # python -m piecewise.bench.overhead
 FLEET = "fleet.json"  # python -m piecewise.bench.fleet
+VLLM_CPU = "vllm-cpu-*.json"  # make bench-vllm (benchmarks/vllm_cpu.py)
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -321,6 +322,21 @@ def fleet() -> str:
             "for the warm figures.\n\n" + table(["figure", "value"], rows, "lr"))
 
 
+def vllm_cpu() -> str:
+    """The latest `make bench-vllm` run: its summary and per-round ratio tables as the benchmark
+    script renders them (the per-process rows stay in the JSON and the run's .md)."""
+    found = _latest(VLLM_CPU)
+    if found is None:
+        return "No results of `make bench-vllm` committed yet.\n"
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_cpu_bench", os.path.join(ROOT, "benchmarks", "vllm_cpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # standalone: its top level imports neither torch nor vLLM
+    text = module.to_markdown(found[1])
+    return text.split("\nEvery process")[0].rstrip() + "\n"
+
+
 # -- the headline (README) ----------------------------------------------------------------------------
 
 def headline() -> str:
@@ -383,6 +399,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "gpu-decode": gpu_decode,
     "gpu-overhead": gpu_overhead,
     "fleet": fleet,
+    "vllm-cpu": vllm_cpu,
 }
 
 
