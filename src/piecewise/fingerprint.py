@@ -31,11 +31,10 @@ import json
 import logging
 import pathlib
 import re
+import sys
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
-
-import torch
 
 __all__ = ["code_digest", "const_repr", "canonical_json", "data_digest", "describe", "Indescribable"]
 
@@ -136,7 +135,8 @@ def describe(v: Any, where: str = "value", *, extend: Extend | None = None, seen
         if id(v) in seen:
             raise Indescribable(where, f"a {type(v).__qualname__} that contains itself")
         seen = seen | {id(v)}
-    if isinstance(v, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+    torch = sys.modules.get("torch")  # no torch value exists before torch is imported (cache tools never import it)
+    if torch is not None and isinstance(v, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
         return {"torch": str(v)}
     if isinstance(v, (tuple, list)):
         if hasattr(v, "_fields") and type(v).__module__ not in ("builtins", "torch"):  # a namedtuple
