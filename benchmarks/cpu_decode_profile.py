@@ -10,9 +10,8 @@ Everything in ONE process, so a shared host's load hits every system alike:
 * systems (SmolLM2-135M-Instruct, real weights, 128-token prompts; `piecewise.bench.generation`'s
   builders): ``hf_eager``, ``pw_generate``, ``pw_engine``, each in the variants asked for
   (``base``; ``freezing``: ``inductor_options={"freezing": True}``; ``dynamic_threads``:
-  ``{"cpp.dynamic_threads": True}``; ``fp32_packed``: ``cpu_packed_linear=True``; ``bf16``: weights in
-  bfloat16 (linears packed for oneDNN, the default); ``bf16_unpacked``: ``cpu_packed_linear=False``;
-  ``bf16_freezing``), each on its
+  ``{"cpp.dynamic_threads": True}``; ``bf16``: weights in bfloat16; ``bf16_packed``: with
+  ``cpu_packed_linear=True``; ``bf16_freezing``), each on its
   own copy of the weights, built for the largest batch and serving every batch;
 * timing: ``--rounds`` rounds; in each, for every thread count and batch, every (system, variant)
   generates ``--steps`` + 1 tokens once, the order rotated each round; the decode step is
@@ -41,9 +40,8 @@ VARIANTS = {
     "base": (torch.float32, {}, {}),
     "freezing": (torch.float32, {"freezing": True}, {}),
     "dynamic_threads": (torch.float32, {"cpp.dynamic_threads": True}, {}),
-    "fp32_packed": (torch.float32, {}, {"cpu_packed_linear": True}),
     "bf16": (torch.bfloat16, {}, {}),
-    "bf16_unpacked": (torch.bfloat16, {}, {"cpu_packed_linear": False}),
+    "bf16_packed": (torch.bfloat16, {}, {"cpu_packed_linear": True}),
     "bf16_freezing": (torch.bfloat16, {"freezing": True}, {}),
 }
 

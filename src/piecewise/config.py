@@ -151,12 +151,12 @@ class CompilationConfig:
             normalised to `PiecewisePass` objects here. The ``eager`` adaptor runs no passes.
         noop_elimination: run the built-in `piecewise.passes.NoOpElimination` first.
         reinplace_custom_ops: run the built-in `piecewise.passes.ReinplaceCustomOps` last.
-        cpu_packed_linear: run a piece's linears with CPU weights on oneDNN with each weight
-            packed once (the built-in `piecewise.passes.PackedLinear`, before the reinplace pass).
-            None (default): bfloat16 weights, where this CPU runs bfloat16 in oneDNN (same bits as
-            eager's ``mm``, about half its time); True: also float32 and float16 weights (float32
-            results differ from ``mm``'s in the last bits); False: none. Each packed weight keeps a
-            packed copy of its size while it lives.
+        cpu_packed_linear: run a piece's linears whose weight is a bfloat16 or float16 CPU
+            parameter on oneDNN with the weight packed once (the built-in
+            `piecewise.passes.PackedLinear`, before the reinplace pass), where this CPU runs the
+            dtype in oneDNN: the same bits as eager's ``mm``. Off by default: faster per linear in
+            isolation, but a whole decode step was not faster on every model (see the CPU guide).
+            Each packed weight keeps a packed copy of its size while it lives.
         debug: check on every call that the first trace's Dynamo guards still hold (slow); also
             refuses sizes a trace does not hold for instead of tracing a size class for them.
         max_size_classes: traces one compiled model may hold for its dynamic sizes (>= 1; default
@@ -215,7 +215,7 @@ class CompilationConfig:
     passes: tuple[Any, ...] = ()
     noop_elimination: bool = True
     reinplace_custom_ops: bool = True
-    cpu_packed_linear: bool | None = None
+    cpu_packed_linear: bool = False
     debug: bool = False
     max_size_classes: int = 4
     max_num_seqs: int = 8
@@ -300,8 +300,8 @@ class CompilationConfig:
         for name in ("noop_elimination", "reinplace_custom_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        if not isinstance(self.cpu_packed_linear, (bool, type(None))):
-            raise ConfigError(f"cpu_packed_linear={self.cpu_packed_linear!r} must be None (bfloat16 weights), True or False")
+        if not isinstance(self.cpu_packed_linear, bool):
+            raise ConfigError(f"cpu_packed_linear={self.cpu_packed_linear!r} must be True or False")
         set_(self, "passes", _passes(self.passes))
 
     # -- derived views -------------------------------------------------------------------------

@@ -64,7 +64,9 @@ def test_pipeline_order_is_noop_then_user_passes_then_packed_linear_then_reinpla
 
     a, b = Marker("a"), Marker("b")
     names = [type(p) for p in pipeline(CompilationConfig(passes=[a, b]))]
-    # the packed-linear pass runs where this CPU can pack bfloat16 weights (the default)
+    assert names == [NoOpElimination, Marker, Marker, ReinplaceCustomOps]  # packed linears are opt-in
+    names = [type(p) for p in pipeline(CompilationConfig(passes=[a, b], cpu_packed_linear=True))]
+    # where this CPU can pack bfloat16 weights
     packed = [PackedLinear] if torch.bfloat16 in packable_dtypes() else []
     assert names == [NoOpElimination, Marker, Marker, *packed, ReinplaceCustomOps]
     assert [p.tag for p in pipeline(CompilationConfig(passes=[a, b]))[1:3]] == ["a", "b"]

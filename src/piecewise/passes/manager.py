@@ -72,9 +72,8 @@ def pipeline(config: Any) -> tuple[PiecewisePass, ...]:
     if config.noop_elimination:
         out.append(NoOpElimination())
     out.extend(config.passes)
-    if config.cpu_packed_linear is not False:
-        packed = PackedLinear({torch.bfloat16} if config.cpu_packed_linear is None else
-                              {torch.bfloat16, torch.float16, torch.float32})
+    if config.cpu_packed_linear:
+        packed = PackedLinear({torch.bfloat16, torch.float16})
         if packed.dtypes:
             out.append(packed)
     if config.reinplace_custom_ops:

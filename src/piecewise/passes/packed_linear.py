@@ -7,15 +7,19 @@ Rewrites, on the functional post-grad graph, ``mm(x, permute(w, [1, 0]))`` and
 ``piecewise_cpu::packed_linear(x, w, b)``. When ``w`` is an ``nn.Parameter`` (a model's weight;
 any other tensor runs ``F.linear``, the same values), that op packs ``w`` into oneDNN's blocked layout on its
 first call and keeps the packed copy in `PACKED` for as long as ``w`` lives, packing again when
-``w`` is written in place (its version counter moves) or replaced (another tensor); `counters.weights_packed` counts the packs. torch's own CPU
-``mm`` of bfloat16 reorders the weight on every call; the packed kernel gives the same bits in about
-half the time (measured on SmolLM2's shapes, `benchmarks/cpu_decode_profile.py`).
+``w`` is written in place (its version counter moves) or replaced (another tensor);
+`counters.weights_packed` counts the packs. torch's own CPU ``mm`` of bfloat16 reorders the weight on
+every call; the packed kernel gives the same bits in about half the time for one linear whose
+weight is in the CPU's caches (SmolLM2's shapes, rows 1-128), which a whole decode step, reading
+every weight from memory, mostly does not see (below).
 
 Cost: one packed copy of each packed weight, the size of the weight, for the life of the weight
-(`PackedWeights.nbytes` of `PACKED`). Switch: ``CompilationConfig(cpu_packed_linear=...)``: None (the
-default) packs bfloat16 weights where this CPU runs bfloat16 in oneDNN (same bits as eager), True
-also packs float32 and float16 weights (float32 results differ from ``mm``'s in the last bits and are
-not faster at one row on every CPU), False never packs.
+(`PackedWeights.nbytes` of `PACKED`). Switch: ``CompilationConfig(cpu_packed_linear=True)`` packs
+bfloat16 and float16 weights where this CPU runs them in oneDNN (same bits as eager); off by
+default: on SmolLM2's whole decode step (2-core AVX-512 host) the engine's step was 4% faster and
+transformers ``generate()``'s 15-20% slower with it (`benchmarks/cpu_decode_profile.py --variants
+bf16,bf16_packed`), so it is a setting to measure on one's own model and machine. float32 is never
+packed: oneDNN's packed float32 kernel was slower than ``mm`` there (up to 1.8x a step).
 """
 
 from __future__ import annotations
