@@ -36,6 +36,7 @@ GPU_DECODE = "gpu-*-decode*.json"  # python -m piecewise.bench.gpu_decode
 GPU_OVERHEAD = "gpu-*-overhead.json"  # python -m piecewise.bench.overhead
 FLEET = "fleet.json"  # python -m piecewise.bench.fleet
 VLLM_CPU = "vllm-cpu-*.json"  # make bench-vllm (benchmarks/vllm_cpu.py)
+CPU_LINEAR = "cpu-linear-*.json"  # benchmarks/cpu_linear_kernels.py
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -322,19 +323,32 @@ def fleet() -> str:
             "for the warm figures.\n\n" + table(["figure", "value"], rows, "lr"))
 
 
+def _benchmark_module(name: str) -> Any:
+    """``benchmarks/<name>.py`` loaded standalone (its top level imports neither torch nor vLLM)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def vllm_cpu() -> str:
     """The latest `make bench-vllm` run: its summary and per-round ratio tables as the benchmark
     script renders them (the per-process rows stay in the JSON and the run's .md)."""
     found = _latest(VLLM_CPU)
     if found is None:
         return "No results of `make bench-vllm` committed yet.\n"
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("vllm_cpu_bench", os.path.join(ROOT, "benchmarks", "vllm_cpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # standalone: its top level imports neither torch nor vLLM
-    text = module.to_markdown(found[1])
+    text = _benchmark_module("vllm_cpu").to_markdown(found[1])
     return text.split("\nEvery process")[0].rstrip() + "\n"
+
+
+def cpu_linear() -> str:
+    """The latest ``benchmarks/cpu_linear_kernels.py`` run: mm against the packed kernel per dtype and rows."""
+    found = _latest(CPU_LINEAR)
+    if found is None:
+        return "No results of `benchmarks/cpu_linear_kernels.py` committed yet.\n"
+    return _benchmark_module("cpu_linear_kernels").to_markdown(found[1])
 
 
 # -- the headline (README) ----------------------------------------------------------------------------
@@ -400,6 +414,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "gpu-overhead": gpu_overhead,
     "fleet": fleet,
     "vllm-cpu": vllm_cpu,
+    "cpu-linear": cpu_linear,
 }
 
 

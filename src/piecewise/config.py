@@ -151,12 +151,13 @@ class CompilationConfig:
             normalised to `PiecewisePass` objects here. The ``eager`` adaptor runs no passes.
         noop_elimination: run the built-in `piecewise.passes.NoOpElimination` first.
         reinplace_custom_ops: run the built-in `piecewise.passes.ReinplaceCustomOps` last.
-        cpu_packed_linear: run a piece's linears whose weight is a bfloat16 or float16 CPU
-            parameter on oneDNN with the weight packed once (the built-in
-            `piecewise.passes.PackedLinear`, before the reinplace pass), where this CPU runs the
-            dtype in oneDNN: the same bits as eager's ``mm``. Off by default: faster per linear in
-            isolation, but a whole decode step was not faster on every model (see the CPU guide).
-            Each packed weight keeps a packed copy of its size while it lives.
+        cpu_packed_linear: run a piece's linears whose weight is a CPU parameter on oneDNN with
+            the weight packed once (the built-in `piecewise.passes.PackedLinear`, before the
+            reinplace pass), where this CPU runs the dtype in oneDNN: bfloat16/float16 on every
+            call (the same bits as eager's ``mm``), float32 on calls of 4-64 rows (a decode batch;
+            values within float32's rounding of ``mm``'s), other float32 calls on ``mm``. On by
+            default; each packed weight keeps a packed copy of its size while it lives, so False
+            gives that memory back (see the CPU guide for the speed it costs).
         debug: check on every call that the first trace's Dynamo guards still hold (slow); also
             refuses sizes a trace does not hold for instead of tracing a size class for them.
         max_size_classes: traces one compiled model may hold for its dynamic sizes (>= 1; default
@@ -215,7 +216,7 @@ class CompilationConfig:
     passes: tuple[Any, ...] = ()
     noop_elimination: bool = True
     reinplace_custom_ops: bool = True
-    cpu_packed_linear: bool = False
+    cpu_packed_linear: bool = True
     debug: bool = False
     max_size_classes: int = 4
     max_num_seqs: int = 8

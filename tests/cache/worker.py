@@ -48,6 +48,8 @@ def main() -> int:
     ap.add_argument("--sleep-after", type=float, default=0.0)
     ap.add_argument("--then-compile", action="store_true",
                     help="after the checks, compile another model (its own tag, a new graph) in this process")
+    ap.add_argument("--no-packed-linear", action="store_true",
+                    help="CompilationConfig(cpu_packed_linear=False): linears stay Inductor's extern mm")
     ap.add_argument("--then-patch-extern", action="store_true",
                     help="after the checks, patch Inductor's extern_kernels.<torch kernel> with counting "
                          "wrappers and call once more (a patch must reach loaded models as compiled ones)")
@@ -63,6 +65,7 @@ def main() -> int:
         backend=args.backend, max_num_tokens=args.max_num_tokens, split_strategy=args.split_strategy,
         compile_sizes=[int(s) for s in args.sizes.split(",") if s],
         splitting_ops=[s for s in args.splitting_ops.split(",") if s] or None, inductor_options=opts,
+        cpu_packed_linear=not args.no_packed_linear,
     )
     cm = pw.compile(model, cfg, dynamic_arg_dims={"x": 0})
     before = pw.counters.snapshot()

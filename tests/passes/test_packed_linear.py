@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import piecewise as pw
 from piecewise._torch.onednn import packable_dtypes
 from piecewise.passes import PackedLinear
-from piecewise.passes.packed_linear import OP, PACKED, PackedWeights, pack_linears
+from piecewise.passes.packed_linear import FLOAT32_PACKED_ROWS, OP, PACKED, PackedWeights, pack_linears, runs_packed
 
 from passhelp import GraphHarness
 
@@ -55,14 +55,61 @@ def test_bfloat16_linears_become_the_packed_op_and_equal_eager_bit_for_bit(bias)
             assert torch.equal(out, model(x))  # oneDNN's bf16 matmul, the weight packed once
 
 
-def test_float32_weights_are_left_to_mm():
+FP32 = torch.float32 in packable_dtypes()
+
+
+def test_float32_linears_run_packed_only_for_decode_batch_rows():
+    torch.manual_seed(0)
+    model = MLP(torch.float32, bias=True).eval()
+    rows = (1, 2, 4, 8, 64, 65, 200)
+    xs = [torch.randn(r, 32) for r in rows]
+    before = pw.counters.weights_packed
+    h, outs = _harness_run(model, {torch.float32}, *xs)
+    assert h.after.get(str(OP), 0) == (2 if FP32 else 0)
+    with torch.no_grad():
+        for r, x, out in zip(rows, xs, outs):
+            if FLOAT32_PACKED_ROWS[0] <= r <= FLOAT32_PACKED_ROWS[1]:
+                torch.testing.assert_close(out, model(x))  # oneDNN's float32 sums: float32's rounding
+            else:
+                assert torch.equal(out, model(x)), r  # MKL's mm, as unpacked
+    # up and down, packed on the first call of 4 rows, not before (1 and 2 rows ran mm)
+    assert pw.counters.weights_packed - before == (2 if FP32 else 0)
+    assert not runs_packed(model.up.weight, 1) and runs_packed(model.up.weight, 8) == (FLOAT32_PACKED_ROWS[0] <= 8)
+    assert not runs_packed(model.up.weight.detach(), 8)  # not a parameter: F.linear
+
+
+def test_float32_weights_are_left_to_mm_when_only_half_precision_is_packed():
     torch.manual_seed(0)
     model = MLP(torch.float32, bias=True).eval()
     x = torch.randn(5, 32)
-    h, (out,) = _harness_run(model, {torch.bfloat16, torch.float16}, x)  # what cpu_packed_linear=True packs
+    h, (out,) = _harness_run(model, {torch.bfloat16, torch.float16}, x)
     assert set(h.rewrites) == {0} and str(OP) not in h.after
     with torch.no_grad():
         assert torch.equal(out, model(x))
+
+
+class Residual(torch.nn.Module):
+    """``x + proj(x)``: Inductor folds the residual into ``addmm(x, x, w.T)``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_residual_folded_into_addmm_is_packed_too(dtype):
+    torch.manual_seed(0)
+    model = Residual(dtype).eval()
+    xs = [torch.randn(rows, 32, dtype=dtype) for rows in (1, 8)]
+    h, outs = _harness_run(model, {dtype}, *xs)
+    rewritten = dtype in packable_dtypes()
+    assert h.after.get(str(OP), 0) == int(rewritten) and h.after.get("aten.addmm.default", 0) == int(not rewritten)
+    with torch.no_grad():
+        for x, out in zip(xs, outs):
+            torch.testing.assert_close(out, model(x))
 
 
 def test_an_activation_in_a_weights_place_is_not_packed():
@@ -115,10 +162,14 @@ def test_the_op_uses_the_weights_current_values():
     assert pw.counters.weights_packed - before == 2
 
 
-def test_cpu_packed_linear_is_off_by_default_and_must_be_a_bool():
+def test_cpu_packed_linear_is_on_by_default_for_every_packable_dtype_and_must_be_a_bool():
     from piecewise.passes import pipeline
 
-    assert not any(isinstance(p, PackedLinear) for p in pipeline(pw.CompilationConfig()))
+    on = [p for p in pipeline(pw.CompilationConfig()) if isinstance(p, PackedLinear)]
+    assert len(on) == (1 if packable_dtypes() else 0)
+    if on:
+        assert on[0].dtypes == packable_dtypes() & {torch.float32, torch.bfloat16, torch.float16}
+    assert not any(isinstance(p, PackedLinear) for p in pipeline(pw.CompilationConfig(cpu_packed_linear=False)))
     with pytest.raises(pw.ConfigError, match="cpu_packed_linear"):
         pw.CompilationConfig(cpu_packed_linear="yes")
 
@@ -164,6 +215,28 @@ def test_a_compiled_bf16_model_equals_the_unpacked_compile_and_follows_new_weigh
         assert torch.equal(packed(ids), plain(ids))
     assert pw.counters.recompiles == before["recompiles"]
     assert pw.counters.weights_packed - before["weights_packed"] == (10 if BF16 else 0)
+
+
+def test_a_float32_model_under_the_default_config_equals_the_unpacked_compile_at_every_size(tmp_path):
+    torch.manual_seed(0)
+    model = Decoder().eval()
+    cfg = dict(cache_dir=str(tmp_path), max_num_tokens=64)
+    default = pw.compile(model, config=pw.CompilationConfig(tag="default", **cfg), dynamic_arg_dims={"input_ids": (0, 1)})
+    plain = pw.compile(model, config=pw.CompilationConfig(tag="plain", cpu_packed_linear=False, **cfg),
+                       dynamic_arg_dims={"input_ids": (0, 1)})
+    before = pw.counters.snapshot()
+    with torch.no_grad():
+        for b, t in ((1, 1), (2, 1), (8, 1), (1, 9), (3, 17), (1, 1)):  # rows b * t: 1, 2, 8, 9, 51, 1
+            ids = torch.randint(0, 64, (b, t))
+            out, ref = default(ids), plain(ids)
+            if b * t < FLOAT32_PACKED_ROWS[0]:
+                assert torch.equal(out, ref), (b, t)
+            else:
+                torch.testing.assert_close(out, ref)
+                torch.testing.assert_close(out, model(ids))
+    # qkv, proj, up, down, the tied head: 5 weights, packed once each (at the first batch of 8 rows)
+    assert pw.counters.weights_packed - before["weights_packed"] == (5 if FP32 else 0)
+    assert pw.counters.recompiles == before["recompiles"]
 
 
 WARM = textwrap.dedent("""

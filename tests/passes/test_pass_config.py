@@ -63,11 +63,11 @@ def test_pipeline_order_is_noop_then_user_passes_then_packed_linear_then_reinpla
     from piecewise._torch.onednn import packable_dtypes
 
     a, b = Marker("a"), Marker("b")
-    names = [type(p) for p in pipeline(CompilationConfig(passes=[a, b]))]
-    assert names == [NoOpElimination, Marker, Marker, ReinplaceCustomOps]  # packed linears are opt-in
-    names = [type(p) for p in pipeline(CompilationConfig(passes=[a, b], cpu_packed_linear=True))]
-    # where this CPU can pack bfloat16 weights
-    packed = [PackedLinear] if torch.bfloat16 in packable_dtypes() else []
+    names = [type(p) for p in pipeline(CompilationConfig(passes=[a, b], cpu_packed_linear=False))]
+    assert names == [NoOpElimination, Marker, Marker, ReinplaceCustomOps]
+    names = [type(p) for p in pipeline(CompilationConfig(passes=[a, b]))]  # packed linears are on by default
+    # where this CPU can pack weights in oneDNN
+    packed = [PackedLinear] if packable_dtypes() else []
     assert names == [NoOpElimination, Marker, Marker, *packed, ReinplaceCustomOps]
     assert [p.tag for p in pipeline(CompilationConfig(passes=[a, b]))[1:3]] == ["a", "b"]
     assert pipeline(CompilationConfig(noop_elimination=False, reinplace_custom_ops=False, cpu_packed_linear=False,

@@ -17,11 +17,14 @@ missing (another torch), `packable_dtypes` is empty and nothing is packed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["packable_dtypes", "pack_linear_weight", "packed_linear", "tensor_version"]
 
 
+@functools.cache
 def packable_dtypes() -> frozenset[torch.dtype]:
     """The weight dtypes this torch and CPU can run through oneDNN's packed linear (empty where
     oneDNN is absent or the names above are missing)."""

@@ -7,7 +7,7 @@ Configure passes on the `CompilationConfig`::
         passes=[MyFusion(eps=1e-6), "mypkg.passes:fold_scales", my_function],
         noop_elimination=True,        # built-in, on by default
         reinplace_custom_ops=True,    # built-in, on by default
-        cpu_packed_linear=False,      # built-in, off by default: bf16/fp16 CPU weights packed for oneDNN
+        cpu_packed_linear=True,      # built-in, on by default: CPU linear weights packed for oneDNN
     )
 
 Every pass has a `uuid()` (its source and options) that enters the compile key. Passes run inside

@@ -73,7 +73,7 @@ def pipeline(config: Any) -> tuple[PiecewisePass, ...]:
         out.append(NoOpElimination())
     out.extend(config.passes)
     if config.cpu_packed_linear:
-        packed = PackedLinear({torch.bfloat16, torch.float16})
+        packed = PackedLinear()
         if packed.dtypes:
             out.append(packed)
     if config.reinplace_custom_ops:

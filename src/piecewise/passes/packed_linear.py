@@ -1,25 +1,34 @@
 """Packed CPU linears: a piece's matmuls with a weight run on oneDNN with the weight packed once
-(built-in pass).
+(built-in pass, on by default).
 
 Rewrites, on the functional post-grad graph, ``mm(x, permute(w, [1, 0]))`` and
 ``addmm(b, x, permute(w, [1, 0]))`` (what ``nn.Linear`` / ``F.linear`` become), where ``w`` is a
 2-D CPU input of the piece (a weight) of a dtype in `PackedLinear.dtypes`, into
 ``piecewise_cpu::packed_linear(x, w, b)``. When ``w`` is an ``nn.Parameter`` (a model's weight;
-any other tensor runs ``F.linear``, the same values), that op packs ``w`` into oneDNN's blocked layout on its
-first call and keeps the packed copy in `PACKED` for as long as ``w`` lives, packing again when
-``w`` is written in place (its version counter moves) or replaced (another tensor);
-`counters.weights_packed` counts the packs. torch's own CPU ``mm`` of bfloat16 reorders the weight on
-every call; the packed kernel gives the same bits in about half the time for one linear whose
-weight is in the CPU's caches (SmolLM2's shapes, rows 1-128), which a whole decode step, reading
-every weight from memory, mostly does not see (below).
+any other tensor runs ``F.linear``, the same values), that op packs ``w`` into oneDNN's blocked
+layout on its first packed call and keeps the packed copy in `PACKED` for as long as ``w`` lives,
+packing again when ``w`` is written in place (its version counter moves) or replaced (another
+tensor); `counters.weights_packed` counts the packs.
+
+Which calls run packed (`runs_packed`), from the kernels measured one against the other at
+SmolLM2's shapes (30 layers of q/k/v/o/gate/up/down weights, distinct copies so each is read
+from memory, 2 threads of a 2-core AVX-512 host; ``benchmarks/cpu_linear_kernels.py``):
+
+* bfloat16 and float16: every call. torch's own CPU ``mm`` of bfloat16 already runs oneDNN but
+  reorders the weight on every call; the packed kernel gives the same bits in 0.66-0.70x the time
+  at 1-16 rows, 0.75-0.88x at 64-1024 rows (the 49152-row vocabulary projection: 0.58x at 1 row).
+* float32: calls of `FLOAT32_PACKED_ROWS` rows (4-64: a decode batch). There packed oneDNN took
+  0.83-0.89x of MKL's ``mm`` for the layers and 0.47x for the vocabulary projection at 8 rows
+  (``mm`` repacks the weight on every call and is compute-bound at so few rows); at 1-2 rows
+  ``mm`` was faster (packed 1.24-1.26x), at 256-1024 rows too (1.16-1.34x). Those calls run
+  ``F.linear``: the same bits as the unpacked compile, and nothing is packed for a weight only
+  ever called that way. Packed float32 values differ from ``mm``'s by rounding (another order of
+  the sums), within float32's tolerance.
 
 Cost: one packed copy of each packed weight, the size of the weight, for the life of the weight
-(`PackedWeights.nbytes` of `PACKED`). Switch: ``CompilationConfig(cpu_packed_linear=True)`` packs
-bfloat16 and float16 weights where this CPU runs them in oneDNN (same bits as eager); off by
-default: on SmolLM2's whole decode step (2-core AVX-512 host) the engine's step was 4% faster and
-transformers ``generate()``'s 15-20% slower with it (`benchmarks/cpu_decode_profile.py --variants
-bf16,bf16_packed`), so it is a setting to measure on one's own model and machine. float32 is never
-packed: oneDNN's packed float32 kernel was slower than ``mm`` there (up to 1.8x a step).
+(`PackedWeights.nbytes` of `PACKED`): a float32 model served at batch 1 only packs nothing; one
+served in batches holds its weights twice. Switch: ``CompilationConfig(cpu_packed_linear=False)``
+turns the pass off (the memory back, the speed above given up).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from torch.library import Library
 from .._torch.onednn import pack_linear_weight, packable_dtypes, packed_linear, tensor_version
 from .base import PassContext, PiecewisePass
 
-__all__ = ["PackedLinear", "PackedWeights", "PACKED", "pack_linears"]
+__all__ = ["FLOAT32_PACKED_ROWS", "PackedLinear", "PackedWeights", "PACKED", "cpu_linear", "pack_linears", "runs_packed"]
 
 aten = torch.ops.aten
 
@@ -93,8 +102,23 @@ class PackedWeights:
 PACKED = PackedWeights()
 
 
+#: rows (inclusive) of the float32 calls that run packed; outside them MKL's ``mm`` was faster
+FLOAT32_PACKED_ROWS = (4, 64)
+
+
+def runs_packed(weight: torch.Tensor, rows: int) -> bool:
+    """Whether a call of `rows` rows with `weight` runs the packed kernel (see the module doc):
+    every call for a bfloat16/float16 parameter, `FLOAT32_PACKED_ROWS` for a float32 one, never
+    for a tensor that is not an ``nn.Parameter`` (an activation in a weight's place)."""
+    if not isinstance(weight, torch.nn.Parameter):
+        return False
+    if weight.dtype == torch.float32:
+        return FLOAT32_PACKED_ROWS[0] <= rows <= FLOAT32_PACKED_ROWS[1]
+    return True
+
+
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if not isinstance(weight, torch.nn.Parameter):  # an activation in a weight's place: nothing to keep
+    if not runs_packed(weight, x.shape[0]):
         return torch.nn.functional.linear(x, weight, bias)
     return packed_linear(x, PACKED.get(weight), bias)
 
@@ -108,6 +132,10 @@ torch.library.register_fake("piecewise_cpu::packed_linear", _packed_linear_fake,
 OP = torch.ops.piecewise_cpu.packed_linear.default
 
 
+#: the weight dtypes `PackedLinear` packs by default (where this CPU runs them in oneDNN)
+DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
 class PackedLinear(PiecewisePass):
     """Runs a piece's linears with CPU weights of `dtypes` on oneDNN with packed weights (see the
     module doc). Switch: ``CompilationConfig(cpu_packed_linear=...)``.
@@ -118,11 +146,12 @@ class PackedLinear(PiecewisePass):
 
     name = "packed_linear"
 
-    def __init__(self, dtypes: frozenset[torch.dtype] | set[torch.dtype] = frozenset({torch.bfloat16})) -> None:
+    def __init__(self, dtypes: frozenset[torch.dtype] | set[torch.dtype] = DTYPES) -> None:
         self.dtypes = frozenset(dtypes) & packable_dtypes()
 
     def uuid(self) -> Any:
-        return {"name": self.name, "version": 1, "dtypes": sorted(str(d) for d in self.dtypes)}
+        return {"name": self.name, "version": 3, "dtypes": sorted(str(d) for d in self.dtypes),
+                "float32_rows": FLOAT32_PACKED_ROWS}
 
     def __call__(self, graph: torch.fx.Graph, context: PassContext) -> int:
         return pack_linears(graph, self.dtypes)
@@ -150,7 +179,9 @@ def _weight(node: Any, dtypes: frozenset[torch.dtype]) -> torch.fx.Node | None:
 
 def pack_linears(graph: torch.fx.Graph, dtypes: frozenset[torch.dtype]) -> int:
     """Rewrite the linears of `graph` whose weight dtype is in `dtypes` (see the module doc);
-    returns how many were rewritten."""
+    returns how many were rewritten. An ``addmm`` whose added term is not a bias row (Inductor
+    folds a residual ``h + linear(x)`` into ``addmm(h, x, w.T)``) becomes the packed op plus an
+    ``add`` that Inductor fuses into the next pointwise kernel."""
     if not dtypes:
         return 0
     count = 0
@@ -159,22 +190,26 @@ def pack_linears(graph: torch.fx.Graph, dtypes: frozenset[torch.dtype]) -> int:
             continue
         if node.target is aten.mm.default:
             x, wt = node.args
-            bias = None
-        elif node.target is aten.addmm.default and not node.kwargs:
-            bias, x, wt = node.args[:3]
-            bval = _val(bias)
-            if len(node.args) > 3 or not (isinstance(bval, torch.Tensor) and bval.dim() == 1):
+            bias = added = None
+        elif node.target is aten.addmm.default and not node.kwargs and len(node.args) == 3:
+            bias, x, wt = node.args
+            bval, out = _val(bias), _val(node)
+            if not (isinstance(bval, torch.Tensor) and isinstance(out, torch.Tensor) and bval.dtype == out.dtype):
                 continue
+            added = None
+            if bval.dim() != 1:  # a residual (or a broadcast row) added to the product
+                bias, added = None, bias
         else:
             continue
         w = _weight(wt, dtypes)
         xval = _val(x)
         if w is None or not (isinstance(xval, torch.Tensor) and xval.dtype == _val(w).dtype and xval.dim() == 2):
             continue
-        if bias is not None and _val(bias).dtype != xval.dtype:
-            continue
         with graph.inserting_before(node):
             new = graph.call_function(OP, (x, w, bias))
+            if added is not None:
+                new.meta.update(node.meta)
+                new = graph.call_function(aten.add.Tensor, (new, added))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
@@ -182,3 +217,20 @@ def pack_linears(graph: torch.fx.Graph, dtypes: frozenset[torch.dtype]) -> int:
             graph.erase_node(wt)
         count += 1
     return count
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for eager code on the CPU, with the kernel the pass's op picks
+    (`runs_packed`): an engine's vocabulary projection of the rows it samples, outside any
+    compiled piece. `x` [rows, in_features]; `weight` [out_features, in_features]; returns
+    [rows, out_features] in `x`'s dtype. Any other device, dtype or rank runs ``F.linear``.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.randn(10, 4), requires_grad=False)
+        >>> cpu_linear(torch.randn(8, 4), w).shape
+        torch.Size([8, 10])
+    """
+    if (x.device.type != "cpu" or x.dim() != 2 or weight.dtype not in packable_dtypes() or x.dtype != weight.dtype
+            or (bias is not None and bias.dtype != x.dtype)):
+        return torch.nn.functional.linear(x, weight, bias)
+    return OP(x, weight, bias)
