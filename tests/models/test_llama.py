@@ -242,14 +242,18 @@ def test_greedy_decode_rejects_requests_beyond_max_seq_len(model):
         greedy_decode(model, [[1] * 10], 8, max_seq_len=16)
 
 
-@pytest.mark.parametrize("order", ["runs", "interleaved", "decode", "one_token", "first_token"])
+@pytest.mark.parametrize("order", ["runs", "interleaved", "decode", "one_token", "first_token", "aligned",
+                                   "aligned_consecutive"])
 def test_cpu_attention_paths_equal_the_gathered_attention(order):
     """Every CPU path of the attention op against the gather path (the one full graphs use) over
     the same cache with this step's keys and values written: a mixed batch (two prefills, one
     from position 0, decode tokens, a slot used twice) in runs and shuffled (more tokens than
     slots: by sequence), a decode batch (fewer tokens than slots: rows gathered up to the longest
-    sequence only), one token (a batch-1 decode step: strided views, no mask), and one token at
-    position 0. The op must write exactly this step's cache rows."""
+    sequence only), one token (a batch-1 decode step: strided views, no mask), one token at
+    position 0, and decode batches whose tokens share one position (one SDPA without a mask over
+    gathered or, for consecutive slots, viewed rows), with inf and NaN past that position (what an
+    earlier occupant of a slot may have left), which must reach no result. The op must write
+    exactly this step's cache rows."""
     from piecewise.serving.llama import _gathered_attention
 
     g = torch.Generator().manual_seed(3)
@@ -267,6 +271,10 @@ def test_cpu_attention_paths_equal_the_gathered_attention(order):
         seq, pos = [2], [17]
     elif order == "first_token":
         seq, pos = [4], [0]
+    elif order.startswith("aligned"):
+        seq, pos = ([1, 2, 3] if order == "aligned_consecutive" else [4, 0, 2]), [11] * 3
+        k_cache[:, 12:] = float("inf")
+        v_cache[:, 12:] = float("nan")
     seq, pos = torch.tensor(seq), torch.tensor(pos)
     q = torch.randn(len(seq), heads, dim, generator=g)
     k, v = torch.randn(len(seq), kv, dim, generator=g), torch.randn(len(seq), kv, dim, generator=g)
@@ -276,7 +284,8 @@ def test_cpu_attention_paths_equal_the_gathered_attention(order):
     got = torch.full_like(q, float("nan"))  # every row must be written
     llama_attention(q, k, v, k_cache, v_cache, pos, seq, 0.25, got)
     torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # copies: exact
+    for cache, expect in ((k_cache, want_k), (v_cache, want_v)):  # copies: exact (NaN where NaN was)
+        torch.testing.assert_close(cache, expect, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("slot,position", [(0, 8), (0, -1), (2, 0)])
@@ -291,15 +300,15 @@ def test_a_single_token_outside_the_cache_is_an_index_error_and_writes_nothing(s
 
 
 def test_compute_logits_equals_the_full_projection():
-    """`compute_logits` (weight @ hidden^T, for the rows an engine samples) against `forward`'s
-    ``nn.Linear`` for one and several rows, with and without a bias: equal within float32
-    rounding, [rows, vocab_size]."""
+    """`compute_logits` (the rows an engine samples; on the CPU the packed kernel for 4-64 float32
+    rows) against `forward`'s ``nn.Linear`` for 1, 3 and 8 rows, with and without a bias: equal
+    within float32 rounding, [rows, vocab_size]."""
     model = LlamaForCausalLM(LlamaConfig(num_layers=1, vocab_size=300), seed=0)
-    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(8, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     for bias in (False, True):
         if bias:
             model.lm_head.bias = torch.nn.Parameter(torch.randn(300))
-        for rows in (hidden[:1], hidden[2:5]):
+        for rows in (hidden[:1], hidden[2:5], hidden):
             with torch.no_grad():
                 got, want = model.compute_logits(rows), model.lm_head(rows)
             assert got.shape == (rows.shape[0], 300)
