@@ -146,6 +146,24 @@ def test_a_packed_copy_follows_in_place_writes_replacement_and_freeing():
     assert len(cache) == 0  # freed weights take their packed copies with them
 
 
+def test_packed_copies_stop_at_the_memory_limit_with_one_warning(caplog):
+    if not BF16:
+        return
+    w1, w2, w3 = (torch.nn.Parameter(torch.randn(16, 8, dtype=torch.bfloat16), requires_grad=False) for _ in range(3))
+    cache = PackedWeights(limit_bytes=2 * w1.nbytes)  # room for two copies
+    with caplog.at_level("WARNING", logger="piecewise"):
+        assert cache.get(w1) is not None and cache.get(w2) is not None
+        assert cache.get(w3) is None and cache.get(w3) is None  # past the limit: runs unpacked
+    warnings = [r.getMessage() for r in caplog.records if "packed CPU linear weights" in r.getMessage()]
+    assert len(warnings) == 1 and "cpu_packed_linear=False" in warnings[0]
+    assert cache.nbytes() == 2 * w1.nbytes
+    w1.mul_(2)  # repacking a weight in place of its own copy fits
+    assert cache.get(w1) is not None and cache.nbytes() == 2 * w1.nbytes
+    del w1
+    gc.collect()
+    assert cache.nbytes() == w2.nbytes and cache.get(w3) is not None  # the freed copy's room is used again
+
+
 def test_the_op_uses_the_weights_current_values():
     if not BF16:
         return

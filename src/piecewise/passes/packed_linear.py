@@ -27,12 +27,16 @@ from memory, 2 threads of a 2-core AVX-512 host; ``benchmarks/cpu_linear_kernels
 
 Cost: one packed copy of each packed weight, the size of the weight, for the life of the weight
 (`PackedWeights.nbytes` of `PACKED`): a float32 model served at batch 1 only packs nothing; one
-served in batches holds its weights twice. Switch: ``CompilationConfig(cpu_packed_linear=False)``
+served in batches holds its weights twice. The copies stop at `MEMORY_FRACTION` of the machine's
+memory (a warning says so once; later weights run unpacked), so a model too big to hold twice
+still runs. Switch: ``CompilationConfig(cpu_packed_linear=False)``
 turns the pass off (the memory back, the speed above given up).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import weakref
 from typing import Any
@@ -44,38 +48,74 @@ from torch.library import Library
 from .._torch.onednn import pack_linear_weight, packable_dtypes, packed_linear, tensor_version
 from .base import PassContext, PiecewisePass
 
-__all__ = ["FLOAT32_PACKED_ROWS", "PackedLinear", "PackedWeights", "PACKED", "cpu_linear", "pack_linears", "runs_packed"]
+__all__ = ["FLOAT32_PACKED_ROWS", "MEMORY_FRACTION", "PackedLinear", "PackedWeights", "PACKED", "cpu_linear", "pack_linears", "runs_packed"]
 
 aten = torch.ops.aten
+log = logging.getLogger("piecewise")
 
 _lib = Library("piecewise_cpu", "FRAGMENT")
 _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+#: the most memory the process's packed copies may take, as a fraction of the machine's memory
+MEMORY_FRACTION = 0.25
+
+
+def _memory_limit() -> int:
+    """`MEMORY_FRACTION` of this machine's physical memory in bytes (no limit where it is unknown)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * MEMORY_FRACTION)
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return 1 << 62
 
 
 class PackedWeights:
     """Packed copies of weights, each kept while its weight lives and is unwritten.
 
     `get` is on every call of every packed linear, so its hit is a dict lookup by the weight's
-    identity, a weak reference check and a version compare."""
+    identity, a weak reference check and a version compare.
 
-    def __init__(self) -> None:
+    Args:
+        limit_bytes: the most the packed copies may take together (default: `MEMORY_FRACTION` of
+            the machine's memory). A weight whose copy would pass it is not packed: its calls run
+            unpacked, and one warning names the limit and the switch.
+    """
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
         self._lock = threading.Lock()
         self._by_id: dict[int, tuple[weakref.ref, int, int, torch.Tensor, int]] = {}
+        self.limit_bytes = _memory_limit() if limit_bytes is None else limit_bytes
+        self._bytes = 0
+        self._warned = False
 
-    def get(self, weight: torch.Tensor) -> torch.Tensor:
-        """`weight`'s packed copy, made now when there is none for this tensor at its version."""
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """`weight`'s packed copy, made now when there is none for this tensor at its version;
+        None when making it would take the copies past `limit_bytes`."""
         entry = self._by_id.get(id(weight))
         if entry is not None and entry[0]() is weight and entry[1] == tensor_version(weight) and entry[2] == weight.data_ptr():
             return entry[3]
         return self._pack(weight)
 
-    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         from ..counters import counters
 
-        packed = pack_linear_weight(weight)
         key = id(weight)
+        with self._lock:
+            old = self._by_id.get(key)
+            held = self._bytes - (old[4] if old is not None else 0)
+            if held + weight.nbytes > self.limit_bytes:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("packed CPU linear weights would take %.1f GB, past the limit of %.1f GB (a quarter of "
+                                "this machine's memory): weights beyond it run unpacked, slower at a few rows; "
+                                "CompilationConfig(cpu_packed_linear=False) packs none", (held + weight.nbytes) / 1e9,
+                                self.limit_bytes / 1e9)
+                return None
+        packed = pack_linear_weight(weight)
         ref = weakref.ref(weight, lambda r, key=key: self._drop(key, r))
         with self._lock:
+            old = self._by_id.get(key)
+            self._bytes += weight.nbytes - (old[4] if old is not None else 0)
             self._by_id[key] = (ref, tensor_version(weight), weight.data_ptr(), packed, weight.nbytes)
         counters.bump("weights_packed")
         return packed
@@ -85,17 +125,14 @@ class PackedWeights:
             entry = self._by_id.get(key)
             if entry is not None and entry[0] is ref:
                 del self._by_id[key]
+                self._bytes -= entry[4]
 
     def nbytes(self) -> int:
         """Bytes of the weights that have a packed copy now (the packed copies take about as much)."""
-        return sum(e[4] for e in list(self._by_id.values()))
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._by_id)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._by_id.clear()
 
 
 #: the process's packed weights
@@ -118,9 +155,10 @@ def runs_packed(weight: torch.Tensor, rows: int) -> bool:
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if not runs_packed(weight, x.shape[0]):
+    packed = PACKED.get(weight) if runs_packed(weight, x.shape[0]) else None
+    if packed is None:  # mm's rows, not a parameter, or past the memory limit
         return torch.nn.functional.linear(x, weight, bias)
-    return packed_linear(x, PACKED.get(weight), bias)
+    return packed_linear(x, packed, bias)
 
 
 def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
