@@ -37,6 +37,7 @@ GPU_OVERHEAD = "gpu-*-overhead.json"  # python -m piecewise.bench.overhead
 FLEET = "fleet.json"  # python -m piecewise.bench.fleet
 VLLM_CPU = "vllm-cpu-*.json"  # make bench-vllm (benchmarks/vllm_cpu.py)
 CPU_LINEAR = "cpu-linear-*.json"  # benchmarks/cpu_linear_kernels.py
+GENERATION_BUSY = "generation-busy-*.json"  # python -m piecewise.bench.generation --busy-rounds N
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -238,6 +239,26 @@ def generation_cpu() -> str:
     return text
 
 
+def generation_busy() -> str:
+    """The latest busy-host run: the decode step quiet and with another process spinning on one
+    core, per thread count, each busy step over its quiet one and over eager's."""
+    found = _latest(GENERATION_BUSY)
+    rows = [r for r in (found[1] if found else []) if r.get("phase") == "busy"]
+    if not rows:
+        return "No busy-host results.\n"
+    out = []
+    for r in rows:
+        threads = f"{r['threads']} ({r.get('threads_from', '?')})"
+        for system, quiet in r["step_s"]["quiet"].items():
+            busy = r["step_s"]["busy"][system]
+            vs_eager = r["vs_eager"]["busy"].get(system)
+            out.append([str(r["batch"]), threads, SYSTEMS.get(system, system), fig(spread([x * 1e3 for x in quiet]), 1),
+                        fig(spread([x * 1e3 for x in busy]), 1), fig(spread(r["busy_vs_quiet"][system])),
+                        fig(spread(vs_eager)) if vs_eager else "1"])
+    return table(["batch", "threads", "system", "quiet step ms", "busy step ms", "busy / quiet", "vs eager, busy"],
+                 out, "rllrrrr")
+
+
 SYSTEMS = {
     "hf_eager": "transformers eager",
     "hf_compile_static": "recipe: static cache + torch.compile",
@@ -415,6 +436,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "fleet": fleet,
     "vllm-cpu": vllm_cpu,
     "cpu-linear": cpu_linear,
+    "generation-busy": generation_busy,
 }
 
 
