@@ -157,7 +157,8 @@ class CompilationConfig:
             call (the same bits as eager's ``mm``), float32 on calls of 4-64 rows (a decode batch;
             values within float32's rounding of ``mm``'s), other float32 calls on ``mm``. On by
             default; each packed weight keeps a packed copy of its size while it lives, so False
-            gives that memory back (see the CPU guide for the speed it costs).
+            gives that memory back (see the CPU guide for the speed it costs). Not applied with
+            ``split_strategy="inductor_partition"`` unless ``cudagraph_mode="none"``.
         debug: check on every call that the first trace's Dynamo guards still hold (slow); also
             refuses sizes a trace does not hold for instead of tracing a size class for them.
         max_size_classes: traces one compiled model may hold for its dynamic sizes (>= 1; default

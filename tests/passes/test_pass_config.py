@@ -70,6 +70,12 @@ def test_pipeline_order_is_noop_then_user_passes_then_packed_linear_then_reinpla
     packed = [PackedLinear] if packable_dtypes() else []
     assert names == [NoOpElimination, Marker, Marker, *packed, ReinplaceCustomOps]
     assert [p.tag for p in pipeline(CompilationConfig(passes=[a, b]))[1:3]] == ["a", "b"]
+    # Inductor partitions that a graph platform may capture: no packed linears
+    for mode in ("auto", "piecewise", "full"):
+        names = [type(p) for p in pipeline(CompilationConfig(split_strategy="inductor_partition", cudagraph_mode=mode))]
+        assert PackedLinear not in names
+    names = [type(p) for p in pipeline(CompilationConfig(split_strategy="inductor_partition", cudagraph_mode="none"))]
+    assert names == [NoOpElimination, *packed, ReinplaceCustomOps]
     assert pipeline(CompilationConfig(noop_elimination=False, reinplace_custom_ops=False, cpu_packed_linear=False,
                                       passes=[a])) == (a,)
 

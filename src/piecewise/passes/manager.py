@@ -72,7 +72,11 @@ def pipeline(config: Any) -> tuple[PiecewisePass, ...]:
     if config.noop_elimination:
         out.append(NoOpElimination())
     out.extend(config.passes)
-    if config.cpu_packed_linear:
+    # Not where Inductor's partitions may be captured as graphs: under a graph platform for the CPU
+    # (tests register one) the outputs of a partition holding the packed op came out as the
+    # capture's poisoned buffers (NaN) on every replay; not diagnosed, so the pass stays out there.
+    partition_graphs = config.split_strategy == "inductor_partition" and config.cudagraph_mode != "none"
+    if config.cpu_packed_linear and not partition_graphs:
         packed = PackedLinear()
         if packed.dtypes:
             out.append(packed)
