@@ -5,10 +5,12 @@ packed once (what `piecewise.passes.PackedLinear` runs), per dtype (issue 48 §1
 
 SmolLM2-135M's shapes: a decoder's 30 layers of q/k/v/o/gate/up/down weights (576 wide, 1536 in the
 MLP, 3 KV heads of 64), each layer its own copy so every weight is read from memory as in a decode
-step, and the 49152 x 576 vocabulary projection. For each dtype and row count, each round times one
+step, the 49152 x 576 vocabulary projection, and each weight shape alone (30 copies; ``out x in``
+features), with two of a small model's (hidden 128). For each dtype and row count, each round times one
 pass over every weight with each kernel in turn (order alternating between rounds); a figure is the
 median (min-max) over rounds of ms a pass, and the ratio packed / ``mm`` is taken per round.
-``PackedLinear``'s choice of rows for float32 (`FLOAT32_PACKED_ROWS`) comes from this table.
+``PackedLinear``'s choice for float32 (`FLOAT32_PACKED_ROWS`, `FLOAT32_MIN_OUT_FEATURES`) comes from
+this table.
 
 Writes ``cpu-linear-<time>.json`` and ``.md`` under ``--out`` (the docs' CPU guide shows the latest). The
 top level imports no torch: ``scripts/bench_tables.py`` renders the table with `to_markdown`.
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument("--shape-rows", default="1,8,64", help="rows for each weight shape alone")
     p.add_argument("--out", default=None, help="folder for cpu-linear-<time>.json and .md")
     a = p.parse_args(argv)
     import torch
@@ -99,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             sets = {"30 layers": [torch.randn(n, k, dtype=dtype) for _ in range(LAYERS) for n, k in SHAPES],
                     "vocabulary projection": [torch.randn(VOCAB, HIDDEN, dtype=dtype)]}
+            # each weight shape alone (30 copies), and a small model's (hidden 128): which ones gain
+            for n, k in [*dict.fromkeys(SHAPES), (128, 128), (4096, 128)]:
+                sets[f"{n} x {k}"] = [torch.randn(n, k, dtype=dtype) for _ in range(LAYERS)]
             for name, weights in sets.items():
-                for rows in (int(x) for x in a.rows.split(",")):
+                for rows in (int(x) for x in (a.rows if name in ("30 layers", "vocabulary projection")
+                                              else a.shape_rows).split(",")):
                     m = measure(dtype, rows, weights, a.rounds)
                     row = {"weights": name, "dtype": str(dtype).replace("torch.", ""), "rows": rows, **m}
                     out["rows"].append(row)

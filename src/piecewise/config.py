@@ -154,8 +154,9 @@ class CompilationConfig:
         cpu_packed_linear: run a piece's linears whose weight is a CPU parameter on oneDNN with
             the weight packed once (the built-in `piecewise.passes.PackedLinear`, before the
             reinplace pass), where this CPU runs the dtype in oneDNN: bfloat16/float16 on every
-            call (the same bits as eager's ``mm``), float32 on calls of 4-64 rows (a decode batch;
-            values within float32's rounding of ``mm``'s), other float32 calls on ``mm``. On by
+            call (the same bits as eager's ``mm``), float32 weights of 1024 or more output
+            features on calls of 4-64 rows (a decode batch; values within float32's rounding of
+            ``mm``'s), other float32 calls on ``mm``. On by
             default; each packed weight keeps a packed copy of its size while it lives, so False
             gives that memory back (see the CPU guide for the speed it costs). Not applied with
             ``split_strategy="inductor_partition"`` unless ``cudagraph_mode="none"``.

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import piecewise as pw
 from piecewise._torch.onednn import packable_dtypes
 from piecewise.passes import PackedLinear
-from piecewise.passes.packed_linear import FLOAT32_PACKED_ROWS, OP, PACKED, PackedWeights, pack_linears, runs_packed
+from piecewise.passes.packed_linear import FLOAT32_MIN_OUT_FEATURES, FLOAT32_PACKED_ROWS, OP, PACKED, PackedWeights, pack_linears, runs_packed
 
 from passhelp import GraphHarness
 
@@ -26,10 +26,10 @@ BF16 = torch.bfloat16 in packable_dtypes()
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, dtype: torch.dtype, bias: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype, bias: bool = False, hidden: int = 64) -> None:
         super().__init__()
-        self.up = torch.nn.Linear(32, 64, bias=bias, dtype=dtype)
-        self.down = torch.nn.Linear(64, 32, bias=bias, dtype=dtype)
+        self.up = torch.nn.Linear(32, hidden, bias=bias, dtype=dtype)
+        self.down = torch.nn.Linear(hidden, 32, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.relu(self.up(x)))
@@ -58,23 +58,24 @@ def test_bfloat16_linears_become_the_packed_op_and_equal_eager_bit_for_bit(bias)
 FP32 = torch.float32 in packable_dtypes()
 
 
-def test_float32_linears_run_packed_only_for_decode_batch_rows():
+def test_float32_linears_run_packed_only_for_wide_weights_at_decode_batch_rows():
     torch.manual_seed(0)
-    model = MLP(torch.float32, bias=True).eval()
+    model = MLP(torch.float32, bias=True, hidden=FLOAT32_MIN_OUT_FEATURES).eval()  # up wide, down narrow
     rows = (1, 2, 4, 8, 64, 65, 200)
     xs = [torch.randn(r, 32) for r in rows]
     before = pw.counters.weights_packed
     h, outs = _harness_run(model, {torch.float32}, *xs)
-    assert h.after.get(str(OP), 0) == (2 if FP32 else 0)
+    assert h.after.get(str(OP), 0) == (2 if FP32 else 0)  # both rewritten; the op picks the kernel per call
     with torch.no_grad():
         for r, x, out in zip(rows, xs, outs):
             if FLOAT32_PACKED_ROWS[0] <= r <= FLOAT32_PACKED_ROWS[1]:
                 torch.testing.assert_close(out, model(x))  # oneDNN's float32 sums: float32's rounding
             else:
                 assert torch.equal(out, model(x)), r  # MKL's mm, as unpacked
-    # up and down, packed on the first call of 4 rows, not before (1 and 2 rows ran mm)
-    assert pw.counters.weights_packed - before == (2 if FP32 else 0)
-    assert not runs_packed(model.up.weight, 1) and runs_packed(model.up.weight, 8) == (FLOAT32_PACKED_ROWS[0] <= 8)
+    # up, packed on the first call of 4 rows, not before (1 and 2 rows ran mm); down never (32 outputs)
+    assert pw.counters.weights_packed - before == (1 if FP32 else 0)
+    assert not runs_packed(model.up.weight, 1) and runs_packed(model.up.weight, 8)
+    assert not runs_packed(model.down.weight, 8)  # narrower than FLOAT32_MIN_OUT_FEATURES
     assert not runs_packed(model.up.weight.detach(), 8)  # not a parameter: F.linear
 
 
@@ -196,13 +197,13 @@ class Decoder(torch.nn.Module):
     """The linears of a decoder as users write them: fused QKV with bias, projections, an MLP, a
     head tied to the embedding; [B, T, C] activations (attention itself is not the point here)."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 64) -> None:
         super().__init__()
-        self.emb = torch.nn.Embedding(64, 32)
+        self.emb = torch.nn.Embedding(vocab, 32)
         self.qkv = torch.nn.Linear(32, 96, bias=True)
         self.proj = torch.nn.Linear(32, 32)
         self.mlp = MLP(torch.float32)
-        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head = torch.nn.Linear(32, vocab, bias=False)
         self.head.weight = self.emb.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -237,7 +238,7 @@ def test_a_compiled_bf16_model_equals_the_unpacked_compile_and_follows_new_weigh
 
 def test_a_float32_model_under_the_default_config_equals_the_unpacked_compile_at_every_size(tmp_path):
     torch.manual_seed(0)
-    model = Decoder().eval()
+    model = Decoder(vocab=FLOAT32_MIN_OUT_FEATURES).eval()  # the head is wide; the other linears narrow
     cfg = dict(cache_dir=str(tmp_path), max_num_tokens=64)
     default = pw.compile(model, config=pw.CompilationConfig(tag="default", **cfg), dynamic_arg_dims={"input_ids": (0, 1)})
     plain = pw.compile(model, config=pw.CompilationConfig(tag="plain", cpu_packed_linear=False, **cfg),
@@ -245,15 +246,15 @@ def test_a_float32_model_under_the_default_config_equals_the_unpacked_compile_at
     before = pw.counters.snapshot()
     with torch.no_grad():
         for b, t in ((1, 1), (2, 1), (8, 1), (1, 9), (3, 17), (1, 1)):  # rows b * t: 1, 2, 8, 9, 51, 1
-            ids = torch.randint(0, 64, (b, t))
+            ids = torch.randint(0, FLOAT32_MIN_OUT_FEATURES, (b, t))
             out, ref = default(ids), plain(ids)
             if b * t < FLOAT32_PACKED_ROWS[0]:
                 assert torch.equal(out, ref), (b, t)
             else:
                 torch.testing.assert_close(out, ref)
                 torch.testing.assert_close(out, model(ids))
-    # qkv, proj, up, down, the tied head: 5 weights, packed once each (at the first batch of 8 rows)
-    assert pw.counters.weights_packed - before["weights_packed"] == (5 if FP32 else 0)
+    # the tied head only (1024 outputs; qkv, proj, up, down are narrow), packed once at the first batch of 8 rows
+    assert pw.counters.weights_packed - before["weights_packed"] == (1 if FP32 else 0)
     assert pw.counters.recompiles == before["recompiles"]
 
 

@@ -17,13 +17,15 @@ from memory, 2 threads of a 2-core AVX-512 host; ``benchmarks/cpu_linear_kernels
 * bfloat16 and float16: every call. torch's own CPU ``mm`` of bfloat16 already runs oneDNN but
   reorders the weight on every call; the packed kernel gives the same bits in 0.66-0.70x the time
   at 1-16 rows, 0.75-0.88x at 64-1024 rows (the 49152-row vocabulary projection: 0.58x at 1 row).
-* float32: calls of `FLOAT32_PACKED_ROWS` rows (4-64: a decode batch). There packed oneDNN took
-  0.83-0.89x of MKL's ``mm`` for the layers and 0.47x for the vocabulary projection at 8 rows
-  (``mm`` repacks the weight on every call and is compute-bound at so few rows); at 1-2 rows
-  ``mm`` was faster (packed 1.24-1.26x), at 256-1024 rows too (1.16-1.34x). Those calls run
-  ``F.linear``: the same bits as the unpacked compile, and nothing is packed for a weight only
-  ever called that way. Packed float32 values differ from ``mm``'s by rounding (another order of
-  the sums), within float32's tolerance.
+* float32: calls of `FLOAT32_PACKED_ROWS` rows (4-64: a decode batch) with a weight of at least
+  `FLOAT32_MIN_OUT_FEATURES` (1024) output features. MKL's ``mm`` repacks the weight on every call
+  and is compute-bound at so few rows where the output is wide: at 8 rows packed took 0.52x of
+  ``mm``'s time for the 49152-wide vocabulary projection, 0.73x for 4096 x 128 and 0.93x for
+  1536 x 576; narrower weights (128-576 outputs: a small model's, or attention's projections)
+  were faster on ``mm`` (packed 1.05-2.85x), as were calls of 1-2 rows and of 1024 rows. Those
+  calls run ``F.linear``: the same bits as the unpacked compile, and nothing is packed for a
+  weight only ever called that way. Packed float32 values differ from ``mm``'s by rounding
+  (another order of the sums), within float32's tolerance.
 
 Cost: one packed copy of each packed weight, the size of the weight, for the life of the weight
 (`PackedWeights.nbytes` of `PACKED`): a float32 model served at batch 1 only packs nothing; one
@@ -48,7 +50,7 @@ from torch.library import Library
 from .._torch.onednn import pack_linear_weight, packable_dtypes, packed_linear, tensor_version
 from .base import PassContext, PiecewisePass
 
-__all__ = ["FLOAT32_PACKED_ROWS", "MEMORY_FRACTION", "PackedLinear", "PackedWeights", "PACKED", "cpu_linear", "pack_linears", "runs_packed"]
+__all__ = ["FLOAT32_MIN_OUT_FEATURES", "FLOAT32_PACKED_ROWS", "MEMORY_FRACTION", "PackedLinear", "PackedWeights", "PACKED", "cpu_linear", "pack_linears", "runs_packed"]
 
 aten = torch.ops.aten
 log = logging.getLogger("piecewise")
@@ -141,16 +143,20 @@ PACKED = PackedWeights()
 
 #: rows (inclusive) of the float32 calls that run packed; outside them MKL's ``mm`` was faster
 FLOAT32_PACKED_ROWS = (4, 64)
+#: the fewest output features of a float32 weight that runs packed; narrower ones were faster on ``mm``
+FLOAT32_MIN_OUT_FEATURES = 1024
 
 
 def runs_packed(weight: torch.Tensor, rows: int) -> bool:
     """Whether a call of `rows` rows with `weight` runs the packed kernel (see the module doc):
-    every call for a bfloat16/float16 parameter, `FLOAT32_PACKED_ROWS` for a float32 one, never
-    for a tensor that is not an ``nn.Parameter`` (an activation in a weight's place)."""
+    every call for a bfloat16/float16 parameter; for a float32 one, calls of `FLOAT32_PACKED_ROWS`
+    rows when it has at least `FLOAT32_MIN_OUT_FEATURES` output features; never for a tensor that is
+    not an ``nn.Parameter`` (an activation in a weight's place)."""
     if not isinstance(weight, torch.nn.Parameter):
         return False
     if weight.dtype == torch.float32:
-        return FLOAT32_PACKED_ROWS[0] <= rows <= FLOAT32_PACKED_ROWS[1]
+        return (weight.shape[0] >= FLOAT32_MIN_OUT_FEATURES
+                and FLOAT32_PACKED_ROWS[0] <= rows <= FLOAT32_PACKED_ROWS[1])
     return True
 
 
@@ -188,8 +194,8 @@ class PackedLinear(PiecewisePass):
         self.dtypes = frozenset(dtypes) & packable_dtypes()
 
     def uuid(self) -> Any:
-        return {"name": self.name, "version": 3, "dtypes": sorted(str(d) for d in self.dtypes),
-                "float32_rows": FLOAT32_PACKED_ROWS}
+        return {"name": self.name, "version": 4, "dtypes": sorted(str(d) for d in self.dtypes),
+                "float32_rows": FLOAT32_PACKED_ROWS, "float32_min_out": FLOAT32_MIN_OUT_FEATURES}
 
     def __call__(self, graph: torch.fx.Graph, context: PassContext) -> int:
         return pack_linears(graph, self.dtypes)
