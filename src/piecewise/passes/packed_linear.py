@@ -3,8 +3,9 @@
 
 Rewrites, on the functional post-grad graph, ``mm(x, permute(w, [1, 0]))`` and
 ``addmm(b, x, permute(w, [1, 0]))`` (what ``nn.Linear`` / ``F.linear`` become), where ``w`` is a
-2-D CPU input of the piece (a weight) of a dtype in `PackedLinear.dtypes`, into
-``piecewise_cpu::packed_linear(x, w, b)``. When ``w`` is an ``nn.Parameter`` (a model's weight;
+2-D CPU input of the piece (a weight) of a dtype in `PackedLinear.dtypes` (a float32 one only
+when at least `FLOAT32_MIN_OUT_FEATURES` wide: narrower ones never run packed, so they keep
+Inductor's ``mm``/``addmm``), into ``piecewise_cpu::packed_linear(x, w, b)``. When ``w`` is an ``nn.Parameter`` (a model's weight;
 any other tensor runs ``F.linear``, the same values), that op packs ``w`` into oneDNN's blocked
 layout on its first packed call and keeps the packed copy in `PACKED` for as long as ``w`` lives,
 packing again when ``w`` is written in place (its version counter moves) or replaced (another
@@ -194,7 +195,7 @@ class PackedLinear(PiecewisePass):
         self.dtypes = frozenset(dtypes) & packable_dtypes()
 
     def uuid(self) -> Any:
-        return {"name": self.name, "version": 4, "dtypes": sorted(str(d) for d in self.dtypes),
+        return {"name": self.name, "version": 5, "dtypes": sorted(str(d) for d in self.dtypes),
                 "float32_rows": FLOAT32_PACKED_ROWS, "float32_min_out": FLOAT32_MIN_OUT_FEATURES}
 
     def __call__(self, graph: torch.fx.Graph, context: PassContext) -> int:
@@ -218,6 +219,8 @@ def _weight(node: Any, dtypes: frozenset[torch.dtype]) -> torch.fx.Node | None:
         return None
     if any(not isinstance(s, int) for s in val.shape):  # a weight's sizes are fixed
         return None
+    if val.dtype == torch.float32 and val.shape[0] < FLOAT32_MIN_OUT_FEATURES:
+        return None  # never runs packed: left to Inductor's mm / addmm (no op call, the residual fused)
     return w
 
 
