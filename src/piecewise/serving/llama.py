@@ -199,14 +199,18 @@ def _cpu_attention(q, k, v, k_cache, v_cache, pos, seq, scale, out):
     * a single token (a batch-1 decode step) takes `_attend_one_token`;
     * a decode batch whose tokens all sit at one position in distinct slots (requests that started
       together) takes `_aligned_batch_attention`: one SDPA over every slot's rows, no mask;
-    * anything else (tokens at different positions, a prefill in the batch) attends by sequence
-      (`_attention_by_sequence`), over views of each slot's own rows.
+    * more tokens than slots (a prefill in the batch) attends by sequence (`_attention_by_sequence`),
+      over views of each slot's own rows;
+    * any other batch (at most one token a slot, at different positions) gathers rows
+      ``0..max(pos)`` (`_gathered_attention`: one SDPA, rows past each position zeroed and masked).
 
-    No path reads a cache row past a token's position, so whatever an earlier occupant of a slot
-    left there (an overflowed inf key included) reaches no result. Measured on SmolLM2's shapes
-    (30 layers, 2 threads, fp32; 256-row cache): for 8 tokens at positions 100-199 by sequence took
-    9.8 ms a step against 17.0 ms for one SDPA over gathered rows (masked and zeroed past each
-    position), at 2 tokens 2.6 against 4.3, at 32 tokens 46.7 against 63.3 ms."""
+    No path lets a cache row past a token's position reach its result, so whatever an earlier
+    occupant of a slot left there (an overflowed inf key included) does not matter. Measured on
+    SmolLM2's shapes (30 layers, 2 threads, fp32; 256-row cache, 8 tokens): aligned 4.4 ms a step
+    against 11.6 ms gathered. At mixed positions 100-199 by sequence took 9.6 against 17.0 ms, but
+    on the suite's small decoder (short rows, 8-64 tokens) one call a sequence made the step
+    slower than the gather (piecewise at 0.91-1.03 of the full graph where the gather gave
+    0.81-0.90), so mixed positions keep the gather."""
     slots, positions = seq.tolist(), pos.tolist()
     if len(slots) == 1:
         _attend_one_token(q, k, v, k_cache, v_cache, slots[0], positions[0], scale, out)
@@ -214,10 +218,13 @@ def _cpu_attention(q, k, v, k_cache, v_cache, pos, seq, scale, out):
     if k is not None and v is not None:
         k_cache.index_put_((seq, pos), k)
         v_cache.index_put_((seq, pos), v)
-    if min(positions) == max(positions) and len(set(slots)) == len(slots):
+    if len(slots) > k_cache.shape[0]:
+        _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out, (slots, positions))
+    elif min(positions) == max(positions) and len(set(slots)) == len(slots):
         _aligned_batch_attention(q, k_cache, v_cache, seq, slots, positions[0] + 1, scale, out)
     else:
-        _attention_by_sequence(q, k_cache, v_cache, seq, pos, scale, out, (slots, positions))
+        length = max(positions) + 1
+        out.copy_(_gathered_attention(q, k_cache[:, :length], v_cache[:, :length], seq, pos, scale))
 
 
 def _aligned_batch_attention(q, k_cache, v_cache, seq, slots, length, scale, out):
